@@ -1,0 +1,75 @@
+"""poros-lightning: QLoRA fine-tuning of large Hugging Face causal LMs on a small GPU.
+
+The frozen NF4 base lives in pinned host RAM and streams through the GPU one block of decoder layers
+at a time; the trained adapter is bit-identical to a fully resident run.
+
+``import poros_lightning`` registers the ``"poros"`` strategy with Lightning, so
+``Trainer(strategy="poros")`` works.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataError",
+    "InstructionDataModule",
+    "LoRALightningModule",
+    "PorosConfigError",
+    "PorosError",
+    "PorosOOMError",
+    "PorosPrecision",
+    "PorosStrategy",
+    "UnsupportedArchitectureError",
+    "__version__",
+    "prepare",
+    "unprepare",
+]
+
+from poros_lightning.errors import (  # noqa: E402
+    DataError,
+    PorosConfigError,
+    PorosError,
+    PorosOOMError,
+    UnsupportedArchitectureError,
+)
+
+
+def _light_import() -> bool:
+    """``poros-lightning check`` answers without importing torch: skip the heavy imports for it."""
+    if os.environ.get("POROS_LIGHTNING_LIGHT") == "1":
+        return True
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "poros-lightning" and sys.argv[1:2] == ["check"]
+
+
+_LAZY = {
+    "prepare": "poros_lightning.api",
+    "unprepare": "poros_lightning.api",
+    "PorosStrategy": "poros_lightning.strategy",
+    "PorosPrecision": "poros_lightning.precision",
+    "LoRALightningModule": "poros_lightning.module",
+    "InstructionDataModule": "poros_lightning.data",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'poros_lightning' has no attribute {name!r}")
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from poros_lightning.strategy import PorosStrategy
+
+    PorosStrategy.register_strategies(StrategyRegistry)
+
+
+if not _light_import():
+    _register()

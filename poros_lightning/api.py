@@ -1,0 +1,160 @@
+"""``prepare(model)`` / ``unprepare(model)``: the one-line path onto an existing HF/PEFT training loop.
+
+Invariant: between ``prepare`` and ``unprepare`` the model computes exactly what the resident model
+computed (same kernels, same bytes, same RNG draws); only where the frozen base bytes live changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from poros_lightning import quant
+from poros_lightning.arch import arch_for_model, resolve
+from poros_lightning.engine import EngineOptions, StreamingEngine
+from poros_lightning.errors import PorosConfigError
+
+__all__ = ["prepare", "unprepare", "engine_of", "is_prepared"]
+
+log = logging.getLogger(__name__)
+
+_ATTR = "_poros_engine"
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The HF causal LM under a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def engine_of(model: nn.Module) -> StreamingEngine | None:
+    """The engine attached to ``model`` by :func:`prepare`, or ``None``."""
+    return getattr(_base(model), _ATTR, None)
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether :func:`prepare` was applied to ``model`` (and not undone)."""
+    return engine_of(model) is not None
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _move_rest(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and param.device != device:
+                param.data = param.data.to(device)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def prepare(
+    model: nn.Module,
+    *,
+    device: torch.device | str | None = None,
+    block_size: int = 1,
+    prefetch: int = 1,
+    num_slots: int | None = None,
+    pin_memory: bool = True,
+    use_streams: bool = True,
+    allow_unlisted_arch: bool = False,
+) -> nn.Module:
+    """Stream the frozen base of ``model`` from host memory; keep everything else on ``device``.
+
+    ``model`` is a (PEFT-wrapped) Hugging Face causal LM of a registered architecture, quantized by
+    bitsandbytes or not. Its decoder layers are wrapped in place (module names and ``state_dict``
+    keys do not change); their frozen weights move to a host store and stream through a ring of
+    device slots; embeddings, norms, the head and the adapters move to ``device``.
+
+    Args:
+        model: the model, on any device (typically the CPU it was built on).
+        device: compute device; the current CUDA device when available, else the CPU.
+        block_size: decoder layers per streamed block.
+        prefetch: blocks copied ahead of the one computing.
+        num_slots: device slots in the ring (default ``prefetch + 1``).
+        pin_memory: page-lock the host store (CUDA only).
+        use_streams: copy on a side CUDA stream (ignored on CPU, where copies are synchronous).
+        allow_unlisted_arch: try an architecture missing from the registry, as experimental.
+
+    Returns:
+        The same ``model``, prepared.
+
+    Raises:
+        UnsupportedArchitectureError: the architecture is not registered.
+        PorosOOMError: the slots do not fit on the device.
+    """
+    if is_prepared(model):
+        raise PorosConfigError("The model is already prepared for streaming.", "Call unprepare(model) first.")
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    base = _base(model)
+    spec = arch_for_model(base, allow_unlisted=allow_unlisted_arch)
+    layers = list(resolve(base, spec.layers))
+    options = EngineOptions(
+        block_size=block_size, prefetch=prefetch, num_slots=num_slots, pin_memory=pin_memory, use_streams=use_streams
+    )
+    quant.disable_cpu_repacking(model)
+    refs = [list(quant.streamable_tensors(layer)) for layer in layers]
+    if not any(refs):
+        raise PorosConfigError(
+            "The decoder layers hold no frozen linear weights to stream.",
+            "Freeze the base (PEFT does this) before prepare(), or train it without poros-lightning.",
+        )
+    checkpointing = getattr(base, "is_activation_checkpointing", None)
+    if checkpointing is None:  # older transformers
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    if checkpointing:
+        log.info("Disabling Hugging Face gradient checkpointing: streamed layers recompute on their own.")
+        base.gradient_checkpointing_disable()
+    engine = StreamingEngine(layers, refs, device, options)
+    quant.move_quant_states(model, device)
+    _move_rest(model, device)
+    config = getattr(base, "config", None)
+    engine.saved_use_cache = getattr(config, "use_cache", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False  # a KV cache would be written twice by the recompute
+    setattr(base, _ATTR, engine)
+    log.info(
+        "poros: streaming %d layers in %d blocks (%.1f MiB each, %d slots, prefetch %d) on %s; host store %.2f GiB%s",
+        len(layers),
+        engine.num_blocks,
+        engine.store.max_block_bytes / 2**20,
+        engine.options.num_slots,
+        engine.options.prefetch,
+        device,
+        engine.store.total_bytes / 2**30,
+        ", pinned" if engine.store.pinned and device.type == "cuda" else "",
+    )
+    return model
+
+
+def unprepare(model: nn.Module, *, device: torch.device | str | None = None) -> nn.Module:
+    """Undo :func:`prepare`: every weight gets its own memory on ``device`` (default: the compute device).
+
+    Returns:
+        The same ``model``, an ordinary resident model again.
+    """
+    engine = engine_of(model)
+    if engine is None:
+        raise PorosConfigError("The model is not prepared for streaming.", "Call prepare(model) first.")
+    engine.detach(device)
+    base = _base(model)
+    config = getattr(base, "config", None)
+    if config is not None and engine.saved_use_cache is not None:
+        config.use_cache = engine.saved_use_cache
+    delattr(base, _ATTR)
+    return model
+
+
+def options_of(model: nn.Module) -> dict[str, Any]:
+    """The engine options of a prepared model, as a plain dict (for logs and checkpoints)."""
+    engine = engine_of(model)
+    return {} if engine is None else dict(engine.options.__dict__)

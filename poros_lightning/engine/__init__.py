@@ -1,0 +1,14 @@
+"""The streaming engine: torch only (no Lightning, bitsandbytes or transformers imports).
+
+- :mod:`~poros_lightning.engine.store`: per-block host arenas (pinned).
+- :mod:`~poros_lightning.engine.slots`: the device slot ring, copy stream, prefetch.
+- :mod:`~poros_lightning.engine.block`: graph-preserving recompute of each streamed layer.
+- :mod:`~poros_lightning.engine.engine`: :class:`StreamingEngine`, which ties them to a list of layers.
+"""
+
+from poros_lightning.engine.block import LayerStreamer
+from poros_lightning.engine.engine import EngineOptions, StreamingEngine
+from poros_lightning.engine.slots import SlotRing
+from poros_lightning.engine.store import HostStore
+
+__all__ = ["EngineOptions", "HostStore", "LayerStreamer", "SlotRing", "StreamingEngine"]

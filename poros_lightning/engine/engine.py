@@ -1,0 +1,127 @@
+"""StreamingEngine: the frozen base of a list of decoder layers streamed through a device slot ring.
+
+Invariant: while attached, every streamed tensor of layer ``j`` is a view into the slot of block
+``j // block_size``; its true bytes live in the host store; every other tensor of the layers
+(adapters, norms, biases, small quantization tables) is resident on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from poros_lightning.engine.block import LayerStreamer
+from poros_lightning.engine.slots import SlotRing, rebind
+from poros_lightning.engine.store import HostStore, Layout
+from poros_lightning.errors import PorosConfigError
+
+__all__ = ["EngineOptions", "StreamingEngine"]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Options of the streaming engine.
+
+    Attributes:
+        block_size: consecutive decoder layers copied together (the unit of streaming).
+        prefetch: blocks copied ahead of the one computing (forward: ``i+1..``, backward: ``i-1..``).
+        num_slots: device slots in the ring; ``None`` means ``prefetch + 1``, the minimum.
+        pin_memory: page-lock the host store (CUDA only) for full-bandwidth asynchronous copies.
+        use_streams: copy on a side CUDA stream; ``False`` runs the synchronous path (always on CPU).
+        recompute: drop each layer's activations in the forward and recompute them in the backward.
+    """
+
+    block_size: int = 1
+    prefetch: int = 1
+    num_slots: int | None = None
+    pin_memory: bool = True
+    use_streams: bool = True
+    recompute: bool = True
+
+    def validate(self, num_layers: int) -> EngineOptions:
+        if self.block_size < 1:
+            raise PorosConfigError(f"block_size must be >= 1, got {self.block_size}.", "Use block_size=1 or more.")
+        if self.prefetch < 1:
+            raise PorosConfigError(f"prefetch must be >= 1, got {self.prefetch}.", "Use prefetch=1 (default) or more.")
+        num_blocks = -(-num_layers // self.block_size)
+        slots = self.num_slots if self.num_slots is not None else self.prefetch + 1
+        slots = min(slots, max(num_blocks, 1))
+        if num_blocks > 1 and slots < self.prefetch + 1 and slots < num_blocks:
+            raise PorosConfigError(
+                f"num_slots={self.num_slots} cannot hold the computing block plus prefetch={self.prefetch} blocks.",
+                f"Use num_slots >= {self.prefetch + 1} or a smaller prefetch.",
+            )
+        return EngineOptions(**{**asdict(self), "num_slots": slots})
+
+
+def _move_resident(module: nn.Module, device: torch.device, streamed: set[int]) -> None:
+    """Move every parameter and buffer of ``module`` that is not streamed to ``device``, in place."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) not in streamed and param.device != device:
+                param.data = param.data.to(device)
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+class StreamingEngine:
+    """Streams the frozen tensors of ``layers`` from host memory through device slots.
+
+    Args:
+        layers: the decoder layers in execution order.
+        refs: for each layer, ``(owner, attribute)`` pairs naming its frozen tensors to stream.
+        device: the compute device.
+        options: engine options.
+    """
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        refs: list[list[tuple[object, str]]],
+        device: torch.device | str,
+        options: EngineOptions | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.options = (options or EngineOptions()).validate(len(layers))
+        self.layers = list(layers)
+        bs = self.options.block_size
+        self.block_of = [j // bs for j in range(len(layers))]
+        block_refs: list[list[tuple[object, str]]] = [[] for _ in range(-(-len(layers) // bs))]
+        for j, layer_refs in enumerate(refs):
+            block_refs[self.block_of[j]].extend(layer_refs)
+        self.store = HostStore([Layout.of(r) for r in block_refs], pin_memory=self.options.pin_memory)
+        self.ring = SlotRing(
+            self.store,
+            self.device,
+            num_slots=self.options.num_slots,
+            prefetch=self.options.prefetch,
+            use_streams=self.options.use_streams,
+        )
+        streamed = {id(getattr(o, a)) for r in refs for o, a in r}
+        for block in range(len(self.store)):
+            self.store.fill(block)
+            self.ring.bind(block)  # drops the last reference to the original tensors
+        for layer in self.layers:
+            _move_resident(layer, self.device, streamed)
+        self.streamer = LayerStreamer(self.layers, self.block_of, self.ring, recompute=self.options.recompute)
+        self.streamer.install()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.store)
+
+    def detach(self, device: torch.device | str | None = None) -> None:
+        """Give every streamed tensor its own memory on ``device`` again and unwrap the layers."""
+        target = torch.device(device) if device is not None else self.device
+        self.streamer.uninstall()
+        self.ring.release()
+        for block, layout in enumerate(self.store.layouts):
+            arena = self.store.arenas[block]
+            for entry in layout.entries:
+                rebind(entry.owner, entry.attr, entry.view(arena).to(target, copy=True))
+        self.store.release()

@@ -1,0 +1,173 @@
+"""PorosStrategy: a single-device Lightning strategy whose frozen base streams from host memory.
+
+A thin adapter over :func:`poros_lightning.prepare` / :func:`poros_lightning.unprepare`: ``setup``
+quantizes (through :class:`PorosPrecision`) and prepares every PEFT model the LightningModule holds;
+``teardown`` gives the base its own memory back, on the CPU, before Lightning moves the module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from typing_extensions import override
+
+from poros_lightning import quant
+from poros_lightning.api import default_device, is_prepared, prepare, unprepare
+from poros_lightning.errors import PorosConfigError
+from poros_lightning.precision import PorosPrecision, find_peft_models
+
+__all__ = ["PorosStrategy"]
+
+
+def _to_poros_precision(plugin: Precision, quantization: str) -> PorosPrecision:
+    if isinstance(plugin, PorosPrecision):
+        return plugin
+    name = type(plugin).__name__
+    if name == "BitsandbytesPrecision":
+        raise PorosConfigError(
+            "PorosStrategy quantizes the base itself; Lightning's BitsandbytesPrecision plugin is not needed.",
+            "Drop the plugin and set the mode with PorosStrategy(quantization='nf4-dq').",
+        )
+    flag = getattr(plugin, "precision", "32-true")
+    return PorosPrecision(str(flag), quantization=quantization)
+
+
+class PorosStrategy(SingleDeviceStrategy):
+    """Train on one device with the frozen base streamed block by block from pinned host memory.
+
+    The adapters, optimizer state, loss and gradient norms are bit-identical to the same run with a
+    fully resident model (``SingleDeviceStrategy``); see ``docs/parity.md``.
+
+    Args:
+        device: compute device; by default the accelerator's device (CUDA when available).
+        block_size: decoder layers per streamed block.
+        prefetch: blocks copied ahead of the one computing.
+        num_slots: device slots (default ``prefetch + 1``).
+        quantization: base quantization applied when the module's base is not quantized yet
+            (``"nf4-dq"``, ``"nf4"``, ``"fp4"``, ``"none"``).
+        pin_memory: page-lock the host copy of the base (CUDA only).
+        use_streams: copy on a side CUDA stream (``False``: synchronous copies, for debugging).
+        allow_unlisted_arch: stream an architecture missing from the registry, as experimental.
+    """
+
+    strategy_name = "poros"
+
+    def __init__(
+        self,
+        device: _DEVICE | None = None,
+        block_size: int = 1,
+        prefetch: int = 1,
+        num_slots: int | None = None,
+        quantization: str = "nf4-dq",
+        pin_memory: bool = True,
+        use_streams: bool = True,
+        allow_unlisted_arch: bool = False,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self.quantization = quant.check_quantization(quantization)
+        self._explicit_device = device is not None
+        super().__init__(
+            device=device if device is not None else default_device(),
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.engine_kwargs: dict[str, Any] = {
+            "block_size": block_size,
+            "prefetch": prefetch,
+            "num_slots": num_slots,
+            "pin_memory": pin_memory,
+            "use_streams": use_streams,
+            "allow_unlisted_arch": allow_unlisted_arch,
+        }
+
+    # Lightning's connector hands a name-registered strategy its devices through this property.
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return [self.root_device] if self._explicit_device else []
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices:
+            device = torch.device(devices[0])
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", 0)
+            self._root_device = device
+
+    @property
+    @override
+    def precision_plugin(self) -> PorosPrecision:
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        quantization = getattr(self, "quantization", "nf4-dq")
+        self._precision_plugin = _to_poros_precision(plugin or Precision(), quantization)
+
+    def _peft_models(self) -> list[nn.Module]:
+        assert self.model is not None
+        models = find_peft_models(self.model)
+        if not models:
+            raise PorosConfigError(
+                f"{type(self.model).__name__} holds no PEFT model, so there is no frozen base to stream.",
+                "Wrap the Hugging Face model with peft.get_peft_model(...) and keep it as an attribute of the "
+                "LightningModule (LoRALightningModule does this).",
+            )
+        return models
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        device = self.root_device
+        for peft_model in self._peft_models():
+            if not is_prepared(peft_model):
+                prepare(peft_model, device=device, **self.engine_kwargs)
+        # Everything else the LightningModule holds (metrics, extra heads) is small and resident. Params4bit
+        # are never moved with .to(): the streamed ones already live in their slots.
+        for module in self.model.modules():
+            if quant.is_4bit_linear(module):
+                continue
+            for param in module._parameters.values():
+                if param is not None and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+            if hasattr(module, "_device"):
+                module._device = device  # Lightning's and torchmetrics' device bookkeeping
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The trainable tensors only (the adapter): the frozen base is never checkpointed."""
+        assert self.lightning_module is not None
+        return {name: p.detach() for name, p in self.lightning_module.named_parameters() if p.requires_grad}
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
+
+    @override
+    def teardown(self) -> None:
+        # Give the base its own memory back on the CPU first: Lightning's teardown moves the module to
+        # the CPU, which must not read the slots (they hold only the last blocks).
+        if self.model is not None:
+            for peft_model in find_peft_models(self.model):
+                if is_prepared(peft_model):
+                    unprepare(peft_model, device="cpu")
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny in-process models, so tests run in seconds on 2 CPU cores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_config(model_type: str = "qwen2", **overrides: object) -> dict:
+    """A tiny config dict of ``model_type`` (4 layers, hidden 64)."""
+    cfg = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def build_peft_model(
+    cfg: dict | None = None,
+    *,
+    lora_dropout: float = 0.1,
+    quantization: str = "nf4-dq",
+    seed: int = 0,
+    r: int = 8,
+    targets: list[str] | None = None,
+) -> torch.nn.Module:
+    """Plain transformers + PEFT (+ bitsandbytes through quantize_model): no engine code."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from poros_lightning.quant import quantize_model
+
+    cfg = dict(cfg or tiny_config())
+    model_type = cfg.pop("model_type")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg), dtype=torch.bfloat16)
+    quantize_model(model, quantization)
+    torch.manual_seed(seed + 1)  # LoRA init draws from the RNG: seed right before get_peft_model
+    lora = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=targets or ALL_LINEAR)
+    model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+@pytest.fixture
+def tiny_cfg() -> dict:
+    return tiny_config()
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

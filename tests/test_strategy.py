@@ -1,0 +1,134 @@
+"""PorosStrategy under Lightning vs plain PEFT under SingleDeviceStrategy: four surfaces torch.equal.
+
+The reference shares no engine code: the same LightningModule (a user's own, holding a PEFT model)
+trained by Lightning's SingleDeviceStrategy on a resident bitsandbytes model.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from conftest import build_peft_model
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch.utils.data import DataLoader
+
+import poros_lightning  # noqa: F401  (registers "poros")
+from poros_lightning import PorosStrategy
+from poros_lightning.api import engine_of
+
+
+class UserModule(L.LightningModule):
+    """A user's own module: any LightningModule holding a PEFT-wrapped HF causal LM."""
+
+    def __init__(self, lora_dropout: float) -> None:
+        super().__init__()
+        self.net = build_peft_model(lora_dropout=lora_dropout)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.net(input_ids=batch, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class Recorder(L.Callback):
+    """Records the four parity surfaces."""
+
+    def __init__(self) -> None:
+        self.loss: list[torch.Tensor] = []
+        self.grad_norm: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.loss.append(outputs["loss"].detach().cpu())
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:  # noqa: ANN001
+        norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+        self.grad_norm.append(torch.stack(norms).norm().cpu())
+
+    def on_train_end(self, trainer, module) -> None:  # noqa: ANN001
+        self.adapter = {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
+        opt = trainer.optimizers[0].state_dict()["state"]
+        self.optim = [t.detach().cpu().clone() for s in opt.values() for t in s.values() if torch.is_tensor(t)]
+
+
+def _data(n: int = 8) -> DataLoader:
+    gen = torch.Generator().manual_seed(7)
+    return DataLoader(torch.randint(0, 256, (n, 16), generator=gen), batch_size=2, shuffle=False)
+
+
+def _fit(strategy, lora_dropout: float = 0.1, accumulate: int = 1, sanity: bool = False) -> Recorder:  # noqa: ANN001
+    L.seed_everything(0, verbose=False)
+    module = UserModule(lora_dropout)
+    rec = Recorder()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=3,
+        accumulate_grad_batches=accumulate,
+        callbacks=[rec],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=2 if sanity else 0,
+        limit_val_batches=2 if sanity else 0,
+    )
+    trainer.fit(module, _data(), _data(4) if sanity else None)
+    return rec
+
+
+def _assert_equal(ref: Recorder, got: Recorder) -> None:
+    assert len(ref.loss) == len(got.loss) and all(torch.equal(a, b) for a, b in zip(ref.loss, got.loss, strict=False))
+    assert all(torch.equal(a, b) for a, b in zip(ref.grad_norm, got.grad_norm, strict=True))
+    assert ref.adapter.keys() == got.adapter.keys()
+    assert all(torch.equal(ref.adapter[k], got.adapter[k]) for k in ref.adapter)
+    assert all(torch.equal(a, b) for a, b in zip(ref.optim, got.optim, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference() -> Recorder:
+    return _fit(SingleDeviceStrategy("cpu"))
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_poros_equals_resident(reference: Recorder, block_size: int) -> None:
+    _assert_equal(reference, _fit(PorosStrategy(block_size=block_size)))
+
+
+def test_registered_name(reference: Recorder) -> None:
+    _assert_equal(reference, _fit("poros"))
+
+
+def test_gradient_accumulation() -> None:
+    ref = _fit(SingleDeviceStrategy("cpu"), accumulate=2)
+    _assert_equal(ref, _fit(PorosStrategy(), accumulate=2))
+
+
+def test_sanity_validation_before_training() -> None:
+    ref = _fit(SingleDeviceStrategy("cpu"), sanity=True)
+    _assert_equal(ref, _fit(PorosStrategy(), sanity=True))
+
+
+def test_checkpoint_holds_only_the_adapter(tmp_path) -> None:  # noqa: ANN001
+    L.seed_everything(0, verbose=False)
+    module = UserModule(0.0)
+    trainer = L.Trainer(
+        strategy=PorosStrategy(),
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, _data(2))
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert state and all("lora_" in k for k in state)
+    assert engine_of(module.net) is None  # teardown gave the base its memory back
