@@ -1,0 +1,145 @@
+"""Benchmark harness: resident and streamed QLoRA steps side by side, in one process.
+
+Each method builds the same random-init model (``parity.build``), burns in, then times synchronized
+optimizer steps. Peak device memory counts from the first training step (after the model is built
+and, for ``poros``, prepared), so it measures training, not loading. Results are JSON-ready dicts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poros_lightning.parity.build import build_peft_model
+
+__all__ = ["METHODS", "bench_method", "measure_h2d", "write_jsonl"]
+
+METHODS = ("poros", "resident", "resident_gc")
+
+
+def measure_h2d(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Pinned host-to-device bandwidth in GB/s (1e9 bytes), best of ``repeats``."""
+    if not torch.cuda.is_available():
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return nbytes / best / 1e9
+
+
+def _host_rss() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1e9
+
+
+def bench_method(
+    method: str,
+    config: dict[str, Any],
+    *,
+    seq_len: int = 512,
+    batch_size: int = 1,
+    lora_r: int = 16,
+    steps: int = 10,
+    warmup: int = 3,
+    block_size: int = 1,
+    prefetch: int = 1,
+    quantization: str = "nf4-dq",
+) -> dict[str, Any]:
+    """Time ``steps`` optimizer steps of ``method`` (one of :data:`METHODS`) after ``warmup`` steps."""
+    from poros_lightning.api import engine_of, prepare, unprepare
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization)
+    if method == "resident_gc":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    elif method == "poros":
+        prepare(model, device=device, block_size=block_size, prefetch=prefetch)
+    elif method != "resident":
+        raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    vocab = config["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (batch_size, seq_len), generator=gen) for _ in range(warmup + steps)]
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    engine = engine_of(model)
+    times = []
+    loads0 = 0
+    for i, ids in enumerate(batches):
+        if i == warmup and engine is not None:
+            loads0 = engine.ring.loads
+        ids = ids.to(device, non_blocking=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        del logits
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    s_per_step = sum(times) / len(times)
+    row: dict[str, Any] = {
+        "method": method,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "lora_r": lora_r,
+        "quantization": quantization,
+        "steps": steps,
+        "warmup": warmup,
+        "s_per_step": s_per_step,
+        "s_per_step_min": min(times),
+        "tokens_per_s": batch_size * seq_len / s_per_step,
+        "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else None,
+        "host_rss_gb": _host_rss(),
+        "loss_last": float(loss.detach()),
+    }
+    if engine is not None:
+        copied = (engine.ring.loads - loads0) * engine.store.max_block_bytes
+        row.update(
+            block_size=block_size,
+            prefetch=prefetch,
+            num_blocks=engine.num_blocks,
+            block_mb=engine.store.max_block_bytes / 1e6,
+            host_store_gb=engine.store.total_bytes / 1e9,
+            pinned=engine.store.pinned,
+            loads_per_step=(engine.ring.loads - loads0) / steps,
+            h2d_gbps=copied / sum(times) / 1e9,
+        )
+        unprepare(model, device="cpu")
+    del model, opt, params, loss
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
+    """Append ``rows`` to ``path`` as JSON lines."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
