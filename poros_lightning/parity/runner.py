@@ -225,7 +225,7 @@ def run_parity(
     dropout = lora_dropout if lora_dropout is not None else (0.1 if mode in ("dropout", "accum") else 0.0)
     accum = accumulate if accumulate is not None else (2 if mode == "accum" else 1)
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
         torch.use_deterministic_algorithms(True)
 
