@@ -64,4 +64,6 @@ def test_bench_7b_resident_vs_streamed(tmp_path: Path) -> None:
         )
     write_jsonl(rows, _artifacts(tmp_path, "benchmarks", "engine_qwen2.5-7b.jsonl"))
     by = {r["method"]: r for r in rows}
-    assert by["poros"]["peak_vram_gb"] < 0.5 * by["resident_gc"]["peak_vram_gb"]
+    # streamed training keeps only the resident modules, adapters and two slots on the GPU
+    assert by["poros"]["peak_vram_gb"] < 0.5 * by["resident"]["peak_vram_gb"]
+    assert by["poros"]["peak_vram_gb"] < by["resident_gc"]["peak_vram_gb"]
