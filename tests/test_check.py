@@ -1,0 +1,171 @@
+"""``poros-lightning check``: config resolution, support verdicts, exit codes, and no torch import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from poros_lightning.arch import registered
+from poros_lightning.check import check, format_check, load_config, main
+from poros_lightning.errors import PorosConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+_TEXT = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+_LINEAR_ATTN = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+FAMILY_CONFIGS: dict[str, dict] = {
+    "qwen2": dict(model_type="qwen2", **_TEXT),
+    "qwen3": dict(model_type="qwen3", **_TEXT),
+    "qwen3_5_text": dict(model_type="qwen3_5_text", **_TEXT, **_LINEAR_ATTN),
+    "qwen3_5": dict(model_type="qwen3_5", text_config=dict(_TEXT, **_LINEAR_ATTN)),
+    "llama": dict(model_type="llama", **_TEXT),
+    "mistral": dict(model_type="mistral", **_TEXT),
+    "gemma3_text": dict(model_type="gemma3_text", **_TEXT),
+    "gemma3": dict(model_type="gemma3", text_config=_TEXT, vision_config=dict(hidden_size=32, num_hidden_layers=1)),
+    "gemma4_text": dict(model_type="gemma4_text", hidden_size_per_layer_input=0, **_TEXT),
+    "gemma4": dict(model_type="gemma4", text_config=dict(_TEXT, hidden_size_per_layer_input=0)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _offline_empty_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+
+
+def _write(tmp_path: Path, cfg: dict, name: str = "model") -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_fixture_covers_every_registered_type():
+    assert set(FAMILY_CONFIGS) == set(registered())
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_check_each_family_from_a_directory_and_a_file(tmp_path, model_type):
+    folder = _write(tmp_path, FAMILY_CONFIGS[model_type])
+    for target in (folder, folder / "config.json"):
+        result = check(str(target), seq_len=64, lora_r=4)
+        assert result.supported and result.model_type == model_type
+        assert result.family == registered()[model_type].family
+        assert result.status == "experimental"
+        assert result.source == str(folder / "config.json")
+        assert result.plan is not None and result.plan.nf4_base_bytes > 0
+    text = format_check(result)
+    for word in ("model_type", "family", "status", "guarantee", "parameters", "NF4 base", "per block", "host RAM"):
+        assert word in text
+
+
+def test_well_known_hub_id_offline(capsys):
+    assert main(["Qwen/Qwen2.5-7B-Instruct", "--seq-len", "1024", "--lora-r", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "bundled config facts" in out and "qwen2" in out and "7.62 B" in out and "seq_len 1024" in out
+    assert "bit-identical on CPU parity tests in CI; no GPU gate yet" in out
+    assert check("smollm2").model_type == "llama"
+
+
+def test_hf_cache_is_preferred_and_honours_env(tmp_path, monkeypatch):
+    cfg = dict(FAMILY_CONFIGS["qwen3"], num_hidden_layers=3)
+    for layout in ("HF_HUB_CACHE", "HF_HOME"):
+        root = tmp_path / layout
+        repo = root / ("hub" if layout == "HF_HOME" else "") / "models--Qwen--Qwen3-8B"
+        (repo / "snapshots" / "abc123").mkdir(parents=True)
+        (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(cfg))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("abc123")
+        monkeypatch.delenv("HF_HUB_CACHE")
+        monkeypatch.setenv(layout, str(root))
+        loaded, source = load_config("Qwen/Qwen3-8B")
+        assert loaded["num_hidden_layers"] == 3 and "cache" in source
+        monkeypatch.delenv(layout)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+
+
+def test_hub_fetch_only_when_online(tmp_path, monkeypatch):
+    fetched = _write(tmp_path, FAMILY_CONFIGS["mistral"]) / "config.json"
+    calls: list[str] = []
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        calls.append(repo_id)
+        return str(fetched)
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=hf_hub_download))
+    with pytest.raises(PorosConfigError, match="cannot find a config"):
+        load_config("someone/private-model")
+    assert calls == []
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    cfg, source = load_config("someone/private-model")
+    assert cfg["model_type"] == "mistral" and "Hub" in source and calls == ["someone/private-model"]
+
+
+def test_unknown_model_type_exits_2(tmp_path, capsys):
+    folder = _write(tmp_path, dict(_TEXT, model_type="falcon"))
+    assert main([str(folder)]) == 2
+    out = capsys.readouterr().out
+    assert "not in the poros-lightning architecture registry" in out
+    assert "docs/architecture-support.md" in out and "HINT:" in out and "--allow-unlisted" in out
+    assert "qwen2" in out and "gemma3" in out
+    assert main([str(folder), "--allow-unlisted"]) == 0
+    out = capsys.readouterr().out
+    assert "layout guessed" in out and "own risk" in out
+
+
+def test_moe_exits_2(tmp_path, capsys):
+    folder = _write(tmp_path, dict(_TEXT, model_type="qwen3_moe", num_experts=8))
+    assert main([str(folder), "--allow-unlisted"]) == 2
+    assert "fused-expert MoE is out of scope" in capsys.readouterr().out
+
+
+def test_unresolvable_model_exits_1(capsys):
+    assert main(["nobody/nothing-here"]) == 1
+    assert "HINT:" in capsys.readouterr().err
+
+
+def test_vram_budget_report(capsys):
+    assert main(["Qwen/Qwen2.5-72B-Instruct", "--vram-budget", "8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "smallest budget that would" in out
+    assert main(["Qwen/Qwen2.5-0.5B-Instruct", "--vram-budget", "24GiB"]) == 0
+    assert "fits streamed" in capsys.readouterr().out
+    assert main(["Qwen/Qwen2.5-0.5B-Instruct", "--vram-budget", "lots"]) == 1
+    assert "invalid size" in capsys.readouterr().err
+
+
+def test_json_output(capsys):
+    assert main(["google/gemma-3-1b-it", "--json", "--block-size", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model_type"] == "gemma3_text" and data["family"] == "gemma3" and data["supported"]
+    assert data["plan"]["block_size"] == 2 and data["plan"]["num_blocks"] == 13
+
+
+def test_check_does_not_import_torch(tmp_path):
+    folder = _write(tmp_path, FAMILY_CONFIGS["gemma3"])
+    code = (
+        "import sys\n"
+        "from poros_lightning.check import main\n"
+        f"assert main([{str(folder)!r}, '--vram-budget', '8GB']) == 0\n"
+        "assert main(['Qwen/Qwen2.5-7B', '--json']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    env = dict(os.environ, POROS_LIGHTNING_LIGHT="1", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,174 @@
+"""The memory planner: exact stored sizes, sane estimates, budgets, size parsing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from poros_lightning.arch import known_config
+from poros_lightning.errors import PorosConfigError
+from poros_lightning.planner import format_bytes, parse_bytes, plan_memory, quantized_weight_bytes
+
+# Qwen2.5-7B shapes: hidden 3584, intermediate 18944, 28 layers, 28 query heads / 4 KV heads of dim 128.
+QWEN25_7B = dict(
+    model_type="qwen2",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+)
+
+
+def _qwen25_7b_linears() -> list[tuple[int, int]]:
+    h, i, kv = 3584, 18944, 4 * 128
+    return [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+
+
+def test_nf4_dq_bytes_follow_the_exact_formula():
+    def nf4_dq(n: int) -> int:
+        blocks = math.ceil(n / 64)
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
+
+    expected = 28 * sum(nf4_dq(a * b) for a, b in _qwen25_7b_linears())
+    plan = plan_memory(QWEN25_7B)
+    assert plan.nf4_base_bytes == expected
+    assert plan.per_block_bytes == expected // 28
+    params = 28 * sum(a * b for a, b in _qwen25_7b_linears())
+    assert round(plan.nf4_base_bytes * 8 / params, 3) == 4.127  # 4 + 8/64 + 32/(64*256), plus the offsets
+
+
+def test_plain_nf4_and_none_bytes():
+    params = 28 * sum(a * b for a, b in _qwen25_7b_linears())
+    nf4 = plan_memory(QWEN25_7B, quantization="nf4").nf4_base_bytes
+    assert nf4 == 28 * sum(math.ceil(a * b / 2) + 4 * math.ceil(a * b / 64) for a, b in _qwen25_7b_linears())
+    assert plan_memory(QWEN25_7B, quantization="none").nf4_base_bytes == 2 * params
+
+
+def test_quantized_bytes_match_bitsandbytes():
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    for double_quant, name in ((True, "nf4-dq"), (False, "nf4")):
+        layer = bnb.nn.Linear4bit(
+            96, 40, bias=False, compute_dtype=torch.bfloat16, compress_statistics=double_quant, quant_type="nf4"
+        ).to("cpu")
+        weight, state = layer.weight, layer.weight.quant_state
+        stored = weight.numel() * weight.element_size() + state.absmax.numel() * state.absmax.element_size()
+        if state.nested:
+            stored += state.state2.absmax.numel() * 4 + state.offset.numel() * 4
+        assert stored == quantized_weight_bytes(96 * 40, name)
+
+
+def test_lora_and_resident_bytes():
+    plan = plan_memory(QWEN25_7B, lora_r=16)
+    assert plan.lora_params == 28 * 16 * sum(a + b for a, b in _qwen25_7b_linears())
+    assert plan.lora_bytes == 16 * plan.lora_params
+    tied = plan_memory(dict(QWEN25_7B, tie_word_embeddings=True))
+    assert plan.resident_bytes - tied.resident_bytes == 2 * 152064 * 3584
+    assert plan.params_total == 7_615_616_512
+
+
+def test_estimates_grow_with_seq_len():
+    plans = [plan_memory(QWEN25_7B, seq_len=t) for t in (128, 512, 2048, 8192)]
+    for field in ("activation_streamed_bytes", "activation_resident_bytes", "streamed_vram_min", "resident_vram"):
+        values = [getattr(p, field) for p in plans]
+        assert values == sorted(values) and len(set(values)) == len(values), field
+    assert all(p.nf4_base_bytes == plans[0].nf4_base_bytes for p in plans)
+
+
+def test_streaming_needs_less_than_resident():
+    plan = plan_memory(known_config("Qwen/Qwen2.5-32B-Instruct"))
+    assert plan.streamed_vram_min < plan.resident_vram_gc < plan.resident_vram
+    assert plan.activation_resident_gc_bytes <= plan.activation_resident_bytes
+    assert plan.host_ram_streamed > plan.nf4_base_bytes
+    assert plan.slots == 2 and plan.num_blocks == 64
+
+
+def test_block_size_and_prefetch():
+    one = plan_memory(QWEN25_7B, block_size=1)
+    four = plan_memory(QWEN25_7B, block_size=4, prefetch=2)
+    assert four.per_block_bytes == 4 * one.per_block_bytes
+    assert four.slots == 3 and four.num_blocks == 7
+    assert four.streamed_vram_min > one.streamed_vram_min
+    uneven = plan_memory(QWEN25_7B, block_size=3)
+    assert uneven.num_blocks == 10 and uneven.per_block_bytes == 3 * one.per_block_bytes
+    with pytest.raises(PorosConfigError, match="exceeds the model's 28 decoder layers"):
+        plan_memory(QWEN25_7B, block_size=29)
+    with pytest.raises(PorosConfigError, match="seq_len"):
+        plan_memory(QWEN25_7B, seq_len=0)
+    with pytest.raises(PorosConfigError, match="quantization"):
+        plan_memory(QWEN25_7B, quantization="int8")
+
+
+def test_vram_budget():
+    plan = plan_memory(QWEN25_7B, vram_budget="1GB")
+    assert plan.fits is False and plan.resident_fits is False
+    assert plan.min_budget == plan.streamed_vram_min > 10**9
+    assert plan.max_block_size is None
+    roomy = plan_memory(QWEN25_7B, vram_budget="80GB")
+    assert roomy.fits is True and roomy.resident_fits is True and roomy.max_block_size == 28
+    just = plan_memory(QWEN25_7B, vram_budget=plan.min_budget)
+    assert just.fits is True
+    assert plan_memory(QWEN25_7B).fits is None
+
+
+def test_every_known_checkpoint_plans():
+    from poros_lightning.arch import known_ids
+
+    for hub_id in known_ids():
+        plan = plan_memory(known_config(hub_id), vram_budget="24GB")
+        assert 0 < plan.per_block_bytes < plan.nf4_base_bytes < plan.params_total, hub_id
+        assert plan.streamed_vram_min == (
+            plan.resident_bytes + plan.lora_bytes + plan.slots * plan.per_block_bytes + plan.activation_streamed_bytes
+        )
+        assert plan.resident_vram == (
+            plan.nf4_base_bytes + plan.resident_bytes + plan.lora_bytes + plan.activation_resident_bytes
+        )
+
+
+def test_hybrid_and_multimodal_families_plan():
+    qwen3_5 = dict(
+        model_type="qwen3_5_text", hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=300, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+    )  # fmt: skip
+    plan = plan_memory(qwen3_5, lora_r=2)
+    # linear-attention layers (3 of 4) adapt in_proj_qkv/z/b/a + out_proj; the full-attention layer q/k/v/o
+    linear_attn = (64 + 64) + (64 + 32) + (64 + 4) * 2 + (32 + 64)  # conv_dim = 2 * 16 + 32
+    full_attn = (64 + 128) + (64 + 32) * 2 + (64 + 64)
+    mlp = 3 * (64 + 96)
+    assert plan.lora_params == 2 * (3 * (linear_attn + mlp) + full_attn + mlp)
+    gemma3 = plan_memory(known_config("google/gemma-3-4b-it"))
+    text_only = plan_memory(dict(known_config("google/gemma-3-4b-it")["text_config"], tie_word_embeddings=True))
+    assert gemma3.nf4_base_bytes == text_only.nf4_base_bytes
+    assert gemma3.resident_bytes > text_only.resident_bytes  # the vision tower stays resident
+
+
+def test_parse_bytes():
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("512 mib") == 512 * 2**20
+    assert parse_bytes("1.5G") == 1_500_000_000
+    assert parse_bytes("4096") == 4096
+    assert parse_bytes(123) == 123
+    for bad in ("", "8XB", "GB", "-1GB", -5, True):
+        with pytest.raises(PorosConfigError, match="HINT"):
+            parse_bytes(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(7_240_000_000) == "7.24 GB"
+    assert format_bytes(999) == "999 B"
