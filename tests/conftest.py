@@ -57,6 +57,46 @@ def build_peft_model(
     return model
 
 
+def train_loop(model: torch.nn.Module, steps: int = 3, accumulate: int = 1, vocab: int = 256) -> dict:
+    """A plain loop; returns per-step losses and grads, final adapter and optimizer state."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(123)
+    losses, grads = [], []
+    for _ in range(steps):
+        for _ in range(accumulate):
+            ids = torch.randint(0, vocab, (2, 16), generator=gen)
+            logits = model(input_ids=ids, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            (loss / accumulate).backward()
+            losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+        opt.zero_grad()
+    state = [t for s in opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
+    return {
+        "loss": losses,
+        "grads": grads,
+        "adapter": dict(zip(names, [p.detach().clone() for p in params], strict=False)),
+        "optim": state,
+    }
+
+
+def differences(ref: dict, got: dict) -> dict[str, int]:
+    return {
+        "loss": sum(not torch.equal(a, b) for a, b in zip(ref["loss"], got["loss"], strict=True)),
+        "grads": sum(
+            not torch.equal(a, b)
+            for sa, sb in zip(ref["grads"], got["grads"], strict=True)
+            for a, b in zip(sa, sb, strict=False)
+        ),
+        "adapter": sum(not torch.equal(ref["adapter"][k], got["adapter"][k]) for k in ref["adapter"]),
+        "optim": sum(not torch.equal(a, b) for a, b in zip(ref["optim"], got["optim"], strict=True)),
+    }
+
+
 @pytest.fixture
 def tiny_cfg() -> dict:
     return tiny_config()
