@@ -14,7 +14,7 @@ from torch import nn
 
 from poros_lightning import quant
 from poros_lightning.arch import arch_for_model, resolve
-from poros_lightning.engine import EngineOptions, StreamingEngine
+from poros_lightning.engine import EngineOptions, StreamingEngine, move_resident
 from poros_lightning.errors import PorosConfigError
 
 __all__ = ["prepare", "unprepare", "engine_of", "is_prepared"]
@@ -45,14 +45,50 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _move_rest(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None and param.device != device:
-                param.data = param.data.to(device)
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
+class HostEmbedding:
+    """Keeps an embedding module's table in (pinned) host memory; its output is copied to the device.
+
+    The lookup runs on the host with the module's own forward (scaling included), so the activations
+    are the exact bytes the device lookup would produce; the frozen table never touches the device.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        weight = module.weight
+        host = weight.detach().to("cpu")
+        if device.type == "cuda":
+            host = host.pin_memory()
+        weight.data = host
+        self._previous = module.__dict__.get("forward")
+        self._original = module.forward
+        module.forward = self._forward
+        module._poros_on_host = True  # resident-part moves skip this module
+
+    def _forward(self, input_ids: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        # The ids go to the host (one small copy per step); the rows come back asynchronously.
+        out = self._original(input_ids.to("cpu"), *args, **kwargs)
+        return out.to(self.device, non_blocking=self.device.type == "cuda")
+
+    def detach(self, device: torch.device | str) -> None:
+        if self._previous is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self._previous
+        self.module.weight.data = self.module.weight.data.to(device)
+        self.module.__dict__.pop("_poros_on_host", None)
+
+
+def _host_embedding(base: nn.Module, embed_path: str, head_path: str, device: torch.device) -> HostEmbedding | None:
+    embed = resolve(base, embed_path)
+    try:
+        head = resolve(base, head_path)
+    except Exception:  # a model without a head module: nothing can be tied
+        head = None
+    if head is not None and getattr(head, "weight", None) is embed.weight:
+        log.info("poros: embeddings are tied to the LM head; keeping them on %s.", device)
+        return None
+    return HostEmbedding(embed, device)
 
 
 def prepare(
@@ -64,6 +100,8 @@ def prepare(
     num_slots: int | None = None,
     pin_memory: bool = True,
     use_streams: bool = True,
+    resident_blocks: int = 0,
+    embeddings_on_host: bool = False,
     allow_unlisted_arch: bool = False,
 ) -> nn.Module:
     """Stream the frozen base of ``model`` from host memory; keep everything else on ``device``.
@@ -81,6 +119,10 @@ def prepare(
         num_slots: device slots in the ring (default ``prefetch + 1``).
         pin_memory: page-lock the host store (CUDA only).
         use_streams: copy on a side CUDA stream (ignored on CPU, where copies are synchronous).
+        resident_blocks: the first blocks stay on the device (copied once) when memory allows.
+        embeddings_on_host: keep the input embedding table in host memory; rows are gathered on the
+            host and only the activations are copied (exact: a lookup is a copy). Ignored, with a log
+            line, when the embeddings are tied to the LM head.
         allow_unlisted_arch: try an architecture missing from the registry, as experimental.
 
     Returns:
@@ -99,7 +141,12 @@ def prepare(
     spec = arch_for_model(base, allow_unlisted=allow_unlisted_arch)
     layers = list(resolve(base, spec.layers))
     options = EngineOptions(
-        block_size=block_size, prefetch=prefetch, num_slots=num_slots, pin_memory=pin_memory, use_streams=use_streams
+        block_size=block_size,
+        prefetch=prefetch,
+        num_slots=num_slots,
+        pin_memory=pin_memory,
+        use_streams=use_streams,
+        resident_blocks=resident_blocks,
     )
     quant.disable_cpu_repacking(model)
     refs = [list(quant.streamable_tensors(layer)) for layer in layers]
@@ -116,7 +163,8 @@ def prepare(
         base.gradient_checkpointing_disable()
     engine = StreamingEngine(layers, refs, device, options)
     quant.move_quant_states(model, device)
-    _move_rest(model, device)
+    engine.host_embedding = _host_embedding(base, spec.embed, spec.head, device) if embeddings_on_host else None
+    move_resident(model, device)
     config = getattr(base, "config", None)
     engine.saved_use_cache = getattr(config, "use_cache", None)
     if config is not None and hasattr(config, "use_cache"):
@@ -147,6 +195,8 @@ def unprepare(model: nn.Module, *, device: torch.device | str | None = None) -> 
         raise PorosConfigError("The model is not prepared for streaming.", "Call prepare(model) first.")
     engine.detach(device)
     base = _base(model)
+    if engine.host_embedding is not None:
+        engine.host_embedding.detach(device if device is not None else engine.device)
     config = getattr(base, "config", None)
     if config is not None and engine.saved_use_cache is not None:
         config.use_cache = engine.saved_use_cache

@@ -321,3 +321,91 @@ def plan_memory(
         max_block_size=max_block,
         notes=shapes.notes,
     )
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Engine options chosen for a VRAM budget, and why.
+
+    Attributes:
+        block_size: decoder layers per block.
+        prefetch: blocks copied ahead.
+        resident_blocks: leading blocks kept on the device (copied once).
+        embeddings_on_host: keep the input embedding table in host memory.
+        vram_estimate: estimated peak of the chosen plan (bytes).
+        vram_budget: the budget (bytes).
+        explanation: one line per decision, for the log.
+    """
+
+    block_size: int
+    prefetch: int
+    resident_blocks: int
+    embeddings_on_host: bool
+    vram_estimate: int
+    vram_budget: int
+    explanation: tuple[str, ...]
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "prefetch": self.prefetch,
+            "resident_blocks": self.resident_blocks,
+            "embeddings_on_host": self.embeddings_on_host,
+        }
+
+
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    return cfg.get("text_config") or cfg
+
+
+def plan_engine(
+    cfg: Mapping[str, Any],
+    vram_budget: int | str,
+    *,
+    seq_len: int = 512,
+    batch_size: int = 1,
+    lora_r: int = 16,
+    quantization: str = "nf4-dq",
+    lora_targets: Sequence[str] | None = None,
+) -> EnginePlan:
+    """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
+
+    The smallest plan streams one layer per block through two slots; if that does not fit, the input
+    embeddings move to host memory (untied models). Memory left over keeps the first blocks resident,
+    which saves two copies of each per step (10% of the budget is kept as headroom). Larger blocks are not chosen: a layer per block already
+    hides copies behind compute, and smaller slots leave more room for resident blocks.
+
+    Raises:
+        PorosOOMError: even the smallest plan does not fit; the message gives the smallest budget that would.
+    """
+    from poros_lightning.errors import PorosOOMError
+
+    budget = parse_bytes(vram_budget)
+    plan = plan_memory(
+        cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=1, quantization=quantization,
+        prefetch=1, lora_targets=lora_targets,
+    )  # fmt: skip
+    text = _text_config(cfg)
+    tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    embed_bytes = 0 if tied else int(text["vocab_size"]) * int(text["hidden_size"]) * 2
+    need = plan.streamed_vram_min
+    why = [f"minimum plan (block_size 1, 2 slots of {format_bytes(plan.per_block_bytes)}): {format_bytes(need)}"]
+    on_host = False
+    if need > budget and embed_bytes:
+        on_host = True
+        need -= embed_bytes
+        why.append(f"input embeddings in host memory saves {format_bytes(embed_bytes)}: {format_bytes(need)}")
+    if need > budget:
+        raise PorosOOMError(
+            f"The smallest streamed plan needs about {format_bytes(need)} of GPU memory at seq_len {seq_len}, "
+            f"batch {batch_size}, LoRA r{lora_r}; the budget is {format_bytes(budget)}.",
+            f"Use vram_budget >= {format_bytes(need)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
+        )
+    spare = int(budget * 0.9) - need  # 10% headroom for allocator fragmentation and estimate error
+    resident = min(plan.num_blocks - 2, spare // plan.per_block_bytes) if plan.per_block_bytes else 0
+    resident = max(int(resident), 0)
+    need += resident * plan.per_block_bytes
+    if resident:
+        why.append(f"{resident} of {plan.num_blocks} blocks stay resident (copied once): {format_bytes(need)}")
+    why.append(f"budget {format_bytes(budget)}, estimated peak {format_bytes(need)}")
+    return EnginePlan(1, 1, resident, on_host, need, budget, tuple(why))

@@ -7,6 +7,7 @@ quantizes (through :class:`PorosPrecision`) and prepares every PEFT model the Li
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -19,10 +20,13 @@ from typing_extensions import override
 
 from poros_lightning import quant
 from poros_lightning.api import default_device, is_prepared, prepare, unprepare
+from poros_lightning.engine import move_resident
 from poros_lightning.errors import PorosConfigError
 from poros_lightning.precision import PorosPrecision, find_peft_models
 
 __all__ = ["PorosStrategy"]
+
+log = logging.getLogger(__name__)
 
 
 def _to_poros_precision(plugin: Precision, quantization: str) -> PorosPrecision:
@@ -53,6 +57,12 @@ class PorosStrategy(SingleDeviceStrategy):
             (``"nf4-dq"``, ``"nf4"``, ``"fp4"``, ``"none"``).
         pin_memory: page-lock the host copy of the base (CUDA only).
         use_streams: copy on a side CUDA stream (``False``: synchronous copies, for debugging).
+        resident_blocks: leading blocks kept on the device (copied once per run instead of twice a step).
+        embeddings_on_host: keep the input embedding table in host memory (exact; untied models).
+        vram_budget: a GPU memory budget (``"8GB"``, bytes): the planner chooses ``resident_blocks``
+            and ``embeddings_on_host`` to fit it, logs its plan, and raises ``PorosOOMError`` naming
+            the smallest budget that would fit when nothing does. Overrides those two options.
+        seq_len: sequence length the budget is planned for; by default the datamodule's ``seq_len``.
         allow_unlisted_arch: stream an architecture missing from the registry, as experimental.
     """
 
@@ -67,6 +77,10 @@ class PorosStrategy(SingleDeviceStrategy):
         quantization: str = "nf4-dq",
         pin_memory: bool = True,
         use_streams: bool = True,
+        resident_blocks: int = 0,
+        embeddings_on_host: bool = False,
+        vram_budget: str | int | None = None,
+        seq_len: int | None = None,
         allow_unlisted_arch: bool = False,
         accelerator: Any = None,
         checkpoint_io: Any = None,
@@ -86,8 +100,13 @@ class PorosStrategy(SingleDeviceStrategy):
             "num_slots": num_slots,
             "pin_memory": pin_memory,
             "use_streams": use_streams,
+            "resident_blocks": resident_blocks,
+            "embeddings_on_host": embeddings_on_host,
             "allow_unlisted_arch": allow_unlisted_arch,
         }
+        self.vram_budget = vram_budget
+        self.seq_len = seq_len
+        self.plans: list[Any] = []
 
     # Lightning's connector hands a name-registered strategy its devices through this property.
     @property
@@ -130,20 +149,37 @@ class PorosStrategy(SingleDeviceStrategy):
         device = self.root_device
         for peft_model in self._peft_models():
             if not is_prepared(peft_model):
-                prepare(peft_model, device=device, **self.engine_kwargs)
-        # Everything else the LightningModule holds (metrics, extra heads) is small and resident. Params4bit
-        # are never moved with .to(): the streamed ones already live in their slots.
+                prepare(peft_model, device=device, **{**self.engine_kwargs, **self._plan(peft_model)})
+        # Everything else the LightningModule holds (metrics, extra heads) is small and resident.
+        move_resident(self.model, device)
         for module in self.model.modules():
-            if quant.is_4bit_linear(module):
-                continue
-            for param in module._parameters.values():
-                if param is not None and param.device != device:
-                    param.data = param.data.to(device)
-            for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.device != device:
-                    module._buffers[name] = buf.to(device)
             if hasattr(module, "_device"):
                 module._device = device  # Lightning's and torchmetrics' device bookkeeping
+
+    def _plan(self, peft_model: nn.Module) -> dict[str, Any]:
+        """Engine options for ``vram_budget`` (empty when no budget is set)."""
+        if self.vram_budget is None:
+            return {}
+        from poros_lightning.planner import plan_engine
+
+        seq_len = self.seq_len
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if seq_len is None and trainer is not None:
+            seq_len = getattr(trainer.datamodule, "seq_len", None)
+        if seq_len is None:
+            raise PorosConfigError(
+                "PorosStrategy(vram_budget=...) needs the sequence length to plan for.",
+                "Pass PorosStrategy(vram_budget=..., seq_len=N) or use a datamodule with a `seq_len` attribute.",
+            )
+        config = peft_model.get_base_model().config.to_dict()
+        lora = next(iter(peft_model.peft_config.values()))
+        plan = plan_engine(
+            config, self.vram_budget, seq_len=seq_len, lora_r=int(lora.r), quantization=self.quantization
+        )
+        for line in plan.explanation:
+            log.info("poros plan: %s", line)
+        self.plans.append(plan)
+        return plan.engine_kwargs()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -72,3 +72,23 @@ def test_unquantized_base_streams() -> None:
     ref = train_loop(build_peft_model(cfg, quantization="none"))
     got = train_loop(prepare(build_peft_model(cfg, quantization="none"), device="cpu"))
     assert differences(ref, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+
+
+def test_resident_blocks_and_host_embeddings(reference: dict) -> None:
+    """Minimum-memory and fewer-copies options keep every surface exact."""
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", resident_blocks=1, embeddings_on_host=True)
+    engine = engine_of(model)
+    assert engine.ring.resident == 1 and len(engine.ring.slots) == 3
+    got = train_loop(model)
+    assert differences(reference, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+    # block 0 is copied once; the three streamed blocks share a ring of two slots
+    assert engine.ring.loads == (1 + 3 + 1) + 2 + 2
+
+
+def test_engine_options_are_validated() -> None:
+    from poros_lightning.errors import PorosConfigError
+
+    with pytest.raises(PorosConfigError, match="HINT"):
+        prepare(build_peft_model(), device="cpu", block_size=0)
+    with pytest.raises(PorosConfigError, match="num_slots"):
+        prepare(build_peft_model(), device="cpu", prefetch=2, num_slots=2)

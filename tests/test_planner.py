@@ -172,3 +172,18 @@ def test_parse_bytes():
 def test_format_bytes():
     assert format_bytes(7_240_000_000) == "7.24 GB"
     assert format_bytes(999) == "999 B"
+
+
+def test_plan_engine_fills_the_budget_and_names_the_minimum():
+    from poros_lightning.arch.known import known_config
+    from poros_lightning.errors import PorosOOMError
+    from poros_lightning.planner import plan_engine
+
+    cfg = known_config("Qwen/Qwen2.5-7B")
+    small, large = plan_engine(cfg, "4GB"), plan_engine(cfg, "16GB")
+    assert small.embeddings_on_host and not large.embeddings_on_host
+    assert 0 < small.resident_blocks < large.resident_blocks <= 26
+    assert small.vram_estimate <= 0.9 * small.vram_budget
+    with pytest.raises(PorosOOMError, match="vram_budget >= ") as err:
+        plan_engine(known_config("Qwen/Qwen2.5-72B"), "4GB")
+    assert isinstance(err.value, MemoryError)

@@ -132,3 +132,17 @@ def test_checkpoint_holds_only_the_adapter(tmp_path) -> None:  # noqa: ANN001
     state = torch.load(path, weights_only=False)["state_dict"]
     assert state and all("lora_" in k for k in state)
     assert engine_of(module.net) is None  # teardown gave the base its memory back
+
+
+def test_vram_budget_plans_the_engine(reference: Recorder) -> None:
+    """A budget the planner fills with resident blocks still trains exactly."""
+    strategy = PorosStrategy(vram_budget="1GB", seq_len=16)
+    _assert_equal(reference, _fit(strategy))
+    assert strategy.plans and strategy.plans[0].resident_blocks == 2  # all but the two ring slots
+
+
+def test_vram_budget_too_small_names_the_minimum() -> None:
+    from poros_lightning.errors import PorosOOMError
+
+    with pytest.raises(PorosOOMError, match="vram_budget >= "):
+        _fit(PorosStrategy(vram_budget=10_000, seq_len=16))

@@ -7,8 +7,8 @@
 """
 
 from poros_lightning.engine.block import LayerStreamer
-from poros_lightning.engine.engine import EngineOptions, StreamingEngine
+from poros_lightning.engine.engine import EngineOptions, StreamingEngine, move_resident
 from poros_lightning.engine.slots import SlotRing
 from poros_lightning.engine.store import HostStore
 
-__all__ = ["EngineOptions", "HostStore", "LayerStreamer", "SlotRing", "StreamingEngine"]
+__all__ = ["EngineOptions", "HostStore", "LayerStreamer", "SlotRing", "StreamingEngine", "move_resident"]

@@ -17,7 +17,7 @@ from poros_lightning.engine.slots import SlotRing, rebind
 from poros_lightning.engine.store import HostStore, Layout
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["EngineOptions", "StreamingEngine"]
+__all__ = ["EngineOptions", "StreamingEngine", "move_resident"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class EngineOptions:
         pin_memory: page-lock the host store (CUDA only) for full-bandwidth asynchronous copies.
         use_streams: copy on a side CUDA stream; ``False`` runs the synchronous path (always on CPU).
         recompute: drop each layer's activations in the forward and recompute them in the backward.
+        resident_blocks: the first blocks get a device slot of their own and are copied once (fewer
+            copies per step when memory allows; the first block then never waits at a step's start).
     """
 
     block_size: int = 1
@@ -39,27 +41,40 @@ class EngineOptions:
     pin_memory: bool = True
     use_streams: bool = True
     recompute: bool = True
+    resident_blocks: int = 0
 
     def validate(self, num_layers: int) -> EngineOptions:
         if self.block_size < 1:
             raise PorosConfigError(f"block_size must be >= 1, got {self.block_size}.", "Use block_size=1 or more.")
+        if self.resident_blocks < 0:
+            raise PorosConfigError(
+                f"resident_blocks must be >= 0, got {self.resident_blocks}.", "Use resident_blocks=0 (default) or more."
+            )
         if self.prefetch < 1:
             raise PorosConfigError(f"prefetch must be >= 1, got {self.prefetch}.", "Use prefetch=1 (default) or more.")
         num_blocks = -(-num_layers // self.block_size)
+        resident = min(self.resident_blocks, num_blocks)
         slots = self.num_slots if self.num_slots is not None else self.prefetch + 1
-        slots = min(slots, max(num_blocks, 1))
-        if num_blocks > 1 and slots < self.prefetch + 1 and slots < num_blocks:
+        slots = min(slots, max(num_blocks - resident, 1))
+        streamed = num_blocks - resident
+        if streamed > 1 and slots < self.prefetch + 1 and slots < streamed:
             raise PorosConfigError(
                 f"num_slots={self.num_slots} cannot hold the computing block plus prefetch={self.prefetch} blocks.",
                 f"Use num_slots >= {self.prefetch + 1} or a smaller prefetch.",
             )
-        return EngineOptions(**{**asdict(self), "num_slots": slots})
+        return EngineOptions(**{**asdict(self), "num_slots": slots, "resident_blocks": resident})
 
 
-def _move_resident(module: nn.Module, device: torch.device, streamed: set[int]) -> None:
-    """Move every parameter and buffer of ``module`` that is not streamed to ``device``, in place."""
+def move_resident(module: nn.Module, device: torch.device, streamed: set[int] | frozenset[int] = frozenset()) -> None:
+    """Move every parameter and buffer of ``module`` to ``device`` in place, keeping Parameter objects.
+
+    Skips tensors whose ``id`` is in ``streamed`` and modules marked ``_poros_on_host`` (kept in host
+    memory on purpose, e.g. an input embedding table).
+    """
     for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
+        if getattr(sub, "_poros_on_host", False):
+            continue
+        for param in sub._parameters.values():
             if param is not None and id(param) not in streamed and param.device != device:
                 param.data = param.data.to(device)
         for name, buf in list(sub._buffers.items()):
@@ -101,13 +116,14 @@ class StreamingEngine:
             num_slots=self.options.num_slots,
             prefetch=self.options.prefetch,
             use_streams=self.options.use_streams,
+            resident=self.options.resident_blocks,
         )
         streamed = {id(getattr(o, a)) for r in refs for o, a in r}
         for block in range(len(self.store)):
             self.store.fill(block)
             self.ring.bind(block)  # drops the last reference to the original tensors
         for layer in self.layers:
-            _move_resident(layer, self.device, streamed)
+            move_resident(layer, self.device, streamed)
         self.streamer = LayerStreamer(self.layers, self.block_of, self.ring, recompute=self.options.recompute)
         self.streamer.install()
 

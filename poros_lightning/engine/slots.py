@@ -1,7 +1,8 @@
 """A ring of device slots that blocks are copied into, with prefetch on a side stream.
 
 Invariants:
-- Block ``i`` always lives in slot ``i % num_slots``: the autograd graph of its forward holds plain
+- Block ``i`` always lives in the same slot: its own slot when it is one of the first
+  ``resident`` blocks (loaded once, never evicted), else ring slot ``(i - resident) % num_slots``: the autograd graph of its forward holds plain
   references into that slot (bitsandbytes keeps the packed weight and quant state as ``ctx``
   attributes, not saved tensors), so the backward must find block ``i``'s bytes at the same addresses.
 - A copy into a slot is ordered after every kernel already enqueued on the compute stream (so the
@@ -37,35 +38,48 @@ class SlotRing:
         num_slots: ring size (>= 2, or 1 when there is a single block).
         prefetch: how many blocks ahead to start copying (<= ``num_slots - 1``).
         use_streams: copy on a side CUDA stream (only on CUDA devices).
+        resident: the first ``resident`` blocks get a slot of their own and are copied only once.
     """
 
     def __init__(
-        self, store: HostStore, device: torch.device, num_slots: int, prefetch: int, use_streams: bool = True
+        self,
+        store: HostStore,
+        device: torch.device,
+        num_slots: int,
+        prefetch: int,
+        use_streams: bool = True,
+        resident: int = 0,
     ) -> None:
         self.store = store
         self.device = device
         self.num_blocks = len(store)
+        self.resident = min(resident, self.num_blocks)
         self.num_slots = num_slots
         self.prefetch = prefetch
         self.use_streams = use_streams and device.type == "cuda"
         self.loads = 0  # copies issued; tests and benchmarks read it
         self.fault: str | None = None  # "wrong_slot": negative control for the parity tests only
         nbytes = store.max_block_bytes
+        total = self.resident + (num_slots if self.num_blocks > self.resident else 0)
         try:
-            self.slots = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device) for _ in range(num_slots)]
+            self.slots = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device) for _ in range(total)]
         except torch.OutOfMemoryError as err:
             raise PorosOOMError(
-                f"Cannot allocate {num_slots} slots of {nbytes / 2**20:.1f} MiB on {device}.",
-                "Use a smaller block_size (block_size=1 streams one decoder layer at a time) or prefetch=1.",
+                f"Cannot allocate {total} slots of {nbytes / 2**20:.1f} MiB on {device} "
+                f"({self.resident} resident blocks + a ring of {num_slots}).",
+                "Use a smaller block_size (block_size=1 streams one decoder layer at a time), fewer resident "
+                "blocks, or prefetch=1; `poros-lightning check MODEL --vram-budget ...` shows what fits.",
             ) from err
-        self.holds = [-1] * num_slots
+        self.holds = [-1] * total
         if self.use_streams:
             self.copy_stream = torch.cuda.Stream(device)
-            self.ready = [torch.cuda.Event() for _ in range(num_slots)]
-            self.waited = [True] * num_slots
+            self.ready = [torch.cuda.Event() for _ in range(total)]
+            self.waited = [True] * total
 
     def slot_of(self, block: int) -> int:
-        return block % self.num_slots
+        if block < self.resident:
+            return block
+        return self.resident + (block - self.resident) % self.num_slots
 
     def bind(self, block: int) -> None:
         """Point every streamed tensor of ``block`` at its view inside the block's slot."""
@@ -92,7 +106,7 @@ class SlotRing:
         if self.fault == "wrong_slot" and backward:
             # Negative control: the bytes land in the next slot while the bookkeeping believes they
             # are in their own; the graph then reads another block's bytes in the backward.
-            self._copy(block, (slot + 1) % self.num_slots)
+            self._copy(block, self.slot_of(block + 1))
         else:
             self._copy(block, slot)
         self.holds[slot] = block
@@ -122,7 +136,7 @@ class SlotRing:
         if self.use_streams:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.slots = []
-        self.holds = [-1] * self.num_slots
+        self.holds = [-1] * len(self.holds)
 
 
 def rebind(owner: object, attr: str, tensor: torch.Tensor) -> None:
