@@ -17,7 +17,7 @@ import torch
 
 from poros_lightning.parity.build import build_peft_model
 
-__all__ = ["METHODS", "bench_method", "measure_h2d", "write_jsonl"]
+__all__ = ["METHODS", "bench_methods", "measure_h2d", "write_jsonl"]
 
 METHODS = ("poros", "resident", "resident_gc")
 
@@ -45,46 +45,13 @@ def _host_rss() -> float:
     return psutil.Process().memory_info().rss / 1e9
 
 
-def bench_method(
-    method: str,
-    config: dict[str, Any],
-    *,
-    seq_len: int = 512,
-    batch_size: int = 1,
-    lora_r: int = 16,
-    steps: int = 10,
-    warmup: int = 3,
-    block_size: int = 1,
-    prefetch: int = 1,
-    quantization: str = "nf4-dq",
-) -> dict[str, Any]:
-    """Time ``steps`` optimizer steps of ``method`` (one of :data:`METHODS`) after ``warmup`` steps."""
-    from poros_lightning.api import engine_of, prepare, unprepare
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization)
-    if method == "resident_gc":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    elif method == "poros":
-        prepare(model, device=device, block_size=block_size, prefetch=prefetch)
-    elif method != "resident":
-        raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
+def _step_loop(
+    model: torch.nn.Module, batches: list[torch.Tensor], warmup: int, vocab: int, device: str
+) -> list[float]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    vocab = config["vocab_size"]
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (batch_size, seq_len), generator=gen) for _ in range(warmup + steps)]
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    engine = engine_of(model)
     times = []
-    loads0 = 0
     for i, ids in enumerate(batches):
-        if i == warmup and engine is not None:
-            loads0 = engine.ring.loads
         ids = ids.to(device, non_blocking=True)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -95,45 +62,120 @@ def bench_method(
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        del loss
         if device == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
-    s_per_step = sum(times) / len(times)
-    row: dict[str, Any] = {
-        "method": method,
-        "seq_len": seq_len,
-        "batch_size": batch_size,
-        "lora_r": lora_r,
-        "quantization": quantization,
-        "steps": steps,
-        "warmup": warmup,
-        "s_per_step": s_per_step,
-        "s_per_step_min": min(times),
-        "tokens_per_s": batch_size * seq_len / s_per_step,
-        "peak_vram_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
-        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else None,
-        "host_rss_gb": _host_rss(),
-        "loss_last": float(loss.detach()),
-    }
-    if engine is not None:
-        copied = (engine.ring.loads - loads0) * engine.store.max_block_bytes
-        row.update(
-            block_size=block_size,
-            prefetch=prefetch,
-            num_blocks=engine.num_blocks,
-            block_mb=engine.store.max_block_bytes / 1e6,
-            host_store_gb=engine.store.total_bytes / 1e9,
-            pinned=engine.store.pinned,
-            loads_per_step=(engine.ring.loads - loads0) / steps,
-            h2d_gbps=copied / sum(times) / 1e9,
-        )
-        unprepare(model, device="cpu")
-    del model, opt, params, loss
+    opt.state.clear()
+    return times
+
+
+def bench_methods(
+    config: dict[str, Any],
+    runs: list[dict[str, Any]],
+    *,
+    seq_len: int = 512,
+    batch_size: int = 1,
+    lora_r: int = 16,
+    steps: int = 10,
+    warmup: int = 3,
+    quantization: str = "nf4-dq",
+) -> list[dict[str, Any]]:
+    """Build the model once and time each run of ``runs`` on it, in order.
+
+    Each run is a dict with ``method`` (one of :data:`METHODS`), an optional ``name``, engine options
+    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``embeddings_on_host``) and an
+    optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
+    card; a run that does not fit is recorded with ``"oom": true``). Between runs the adapter is reset
+    and the model returns to resident, so every method trains the same bytes.
+    """
+    from poros_lightning.api import engine_of, prepare, unprepare
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization)
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (batch_size, seq_len), generator=gen) for _ in range(warmup + steps)]
+    total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
+    rows = []
+    for run in runs:
+        method = run["method"]
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(init[n])
+        engine_opts = {
+            k: run[k] for k in ("block_size", "prefetch", "resident_blocks", "embeddings_on_host") if k in run
+        }
+        if method == "resident_gc":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        elif method == "poros":
+            prepare(model, device=device, **engine_opts)
+        gc.collect()
+        row: dict[str, Any] = {
+            "method": run.get("name", method),
+            "base_method": method,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "lora_r": lora_r,
+            "quantization": quantization,
+            "steps": steps,
+            "warmup": warmup,
+            **engine_opts,
+        }
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            if run.get("memory_cap_gb"):
+                torch.cuda.set_per_process_memory_fraction(run["memory_cap_gb"] * 1e9 / total)
+                row["memory_cap_gb"] = run["memory_cap_gb"]
+        engine = engine_of(model)
+        loads0 = engine.ring.loads if engine is not None else 0
+        try:
+            times = _step_loop(model, batches, warmup, vocab, device)
+            s_per_step = sum(times) / len(times)
+            row.update(
+                oom=False,
+                s_per_step=s_per_step,
+                s_per_step_min=min(times),
+                tokens_per_s=batch_size * seq_len / s_per_step,
+                peak_vram_gb=torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+                peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else None,
+                host_rss_gb=_host_rss(),
+            )
+            if engine is not None:
+                copies = engine.ring.loads - loads0
+                row.update(
+                    num_blocks=engine.num_blocks,
+                    block_mb=engine.store.max_block_bytes / 1e6,
+                    host_store_gb=engine.store.total_bytes / 1e9,
+                    pinned=engine.store.pinned,
+                    loads_per_step=copies / (warmup + steps),
+                    h2d_gbps=copies / (warmup + steps) * engine.store.max_block_bytes / s_per_step / 1e9,
+                )
+        except torch.OutOfMemoryError:
+            row.update(oom=True, s_per_step=None, peak_vram_gb=None)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            if method == "resident_gc":
+                model.gradient_checkpointing_disable()
+            elif method == "poros":
+                unprepare(model, device=device)
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+    del model
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:

@@ -1,0 +1,100 @@
+"""``poros-lightning bench run CONFIG`` and ``poros-lightning bench report JSONL... -o report.html``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from poros_lightning.errors import PorosConfigError
+
+__all__ = ["main", "load_bench_config", "run_bench"]
+
+_KEYS = {"model", "model_config", "scale", "seq_lens", "lora_r", "batch_size", "steps", "warmup", "runs", "out"}
+
+
+def load_bench_config(path: str | Path) -> dict[str, Any]:
+    """Read and validate a bench YAML file."""
+    try:
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise PorosConfigError(f"Cannot read bench config {str(path)!r}: {err}", "Pass a readable YAML file.") from err
+    unknown = set(cfg) - _KEYS
+    if unknown:
+        raise PorosConfigError(
+            f"Unknown keys in {path}: {', '.join(sorted(unknown))}.", f"Allowed keys: {', '.join(sorted(_KEYS))}."
+        )
+    if not cfg.get("runs"):
+        raise PorosConfigError(f"{path} lists no runs.", "Add `runs: [{method: poros}, {method: resident_gc}]`.")
+    return cfg
+
+
+def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[str, Any]]:
+    """Run every (seq_len, run) of a bench config; append rows to ``out`` (JSONL) and return them."""
+    import torch
+
+    from poros_lightning.bench.harness import bench_methods, measure_h2d, write_jsonl
+    from poros_lightning.parity.runner import versions
+
+    if "model_config" in cfg:
+        config = dict(cfg["model_config"])
+    else:
+        from poros_lightning.check import load_config
+
+        config, _ = load_config(cfg["model"])
+    h2d = measure_h2d()
+    rows = []
+    for seq_len in cfg.get("seq_lens", [512]):
+        for row in bench_methods(
+            config,
+            cfg["runs"],
+            seq_len=int(seq_len),
+            batch_size=int(cfg.get("batch_size", 1)),
+            lora_r=int(cfg.get("lora_r", 16)),
+            steps=int(cfg.get("steps", 10)),
+            warmup=int(cfg.get("warmup", 3)),
+        ):
+            full = {
+                "model": f"{cfg.get('model', config.get('model_type'))} (random init)",
+                "scale": cfg.get("scale"),
+                "pinned_peak_h2d_gbps": h2d,
+                **row,
+                **versions(),
+            }
+            print({k: full.get(k) for k in ("scale", "seq_len", "method", "s_per_step", "peak_vram_gb", "h2d_gbps")})
+            rows.append(full)
+            if out is not None:
+                write_jsonl([full], out)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``poros-lightning bench``."""
+    p = argparse.ArgumentParser(prog="poros-lightning bench", description="Benchmarks: run them, report them.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a bench YAML (see configs/bench/) and append JSONL rows")
+    run.add_argument("config")
+    run.add_argument("--out", help="JSONL file to append to (overrides the YAML's `out`)")
+    run.add_argument("--steps", type=int, help="timed steps (overrides the YAML)")
+    rep = sub.add_parser("report", help="render an HTML report (and print a Markdown table) from JSONL files")
+    rep.add_argument("jsonl", nargs="+")
+    rep.add_argument("-o", "--output", default="docs/benchmarks/report.html")
+    args = p.parse_args(argv)
+    if args.command == "run":
+        cfg = load_bench_config(args.config)
+        if args.steps:
+            cfg["steps"] = args.steps
+        run_bench(cfg, args.out or cfg.get("out"))
+        return 0
+    from poros_lightning.bench.report import load_rows, markdown_table, render_html
+
+    rows = load_rows(args.jsonl)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(render_html(rows))
+    print(markdown_table(rows))
+    print(f"\nwrote {args.output}")
+    return 0
