@@ -13,6 +13,7 @@ Note: [one allocation per block]
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ import torch
 from poros_lightning.errors import PorosOOMError
 
 __all__ = ["ALIGN", "Entry", "Layout", "HostStore", "tensor_bytes"]
+
+log = logging.getLogger(__name__)
 
 ALIGN = 256
 """Byte alignment of every tensor inside an arena or a slot (enough for any dtype view and for kernels)."""
@@ -68,6 +71,15 @@ class Layout:
         return cls(tuple(entries), offset)
 
 
+def _ram() -> str:
+    try:
+        import os
+
+        return f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB"
+    except (ValueError, OSError, AttributeError):
+        return "unknown"
+
+
 def _cuda_pin(arena: torch.Tensor) -> bool:
     """Page-lock ``arena`` in place; False when the driver refuses (the copy then runs pageable)."""
     err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
@@ -91,6 +103,7 @@ class HostStore:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.arenas: list[torch.Tensor | None] = [None] * len(layouts)
         self._pinned = [False] * len(layouts)
+        self._warned = False
 
     def __len__(self) -> int:
         return len(self.layouts)
@@ -123,6 +136,16 @@ class HostStore:
             entry.view(arena).copy_(getattr(entry.owner, entry.attr).detach())
         if self.pin_memory and layout.nbytes > 0:
             self._pinned[block] = _cuda_pin(arena)
+            if not self._pinned[block] and not self._warned:
+                self._warned = True
+                log.warning(
+                    "Could not page-lock %.1f MiB for block %d (store total %.2f GiB, machine RAM %s); copies of "
+                    "unpinned blocks run at pageable speed. Raise the locked-memory limit (ulimit -l) or free RAM.",
+                    layout.nbytes / 2**20,
+                    block,
+                    self.total_bytes / 2**30,
+                    _ram(),
+                )
         self.arenas[block] = arena
         return arena
 
