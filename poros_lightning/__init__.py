@@ -18,7 +18,9 @@ __all__ = [
     "DataError",
     "InstructionDataModule",
     "LoRALightningModule",
+    "MicroBatchSampler",
     "PorosConfigError",
+    "PorosDDPStrategy",
     "PorosError",
     "PorosOOMError",
     "PorosPrecision",
@@ -49,6 +51,8 @@ _LAZY = {
     "prepare": "poros_lightning.api",
     "unprepare": "poros_lightning.api",
     "PorosStrategy": "poros_lightning.strategy",
+    "PorosDDPStrategy": "poros_lightning.strategy_ddp",
+    "MicroBatchSampler": "poros_lightning.strategy_ddp",
     "PorosPrecision": "poros_lightning.precision",
     "LoRALightningModule": "poros_lightning.module",
     "InstructionDataModule": "poros_lightning.data",
@@ -68,7 +72,10 @@ def _register() -> None:
 
     from poros_lightning.strategy import PorosStrategy
 
+    from poros_lightning.strategy_ddp import PorosDDPStrategy
+
     PorosStrategy.register_strategies(StrategyRegistry)
+    PorosDDPStrategy.register_strategies(StrategyRegistry)
 
 
 if not _light_import():

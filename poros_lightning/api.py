@@ -15,6 +15,7 @@ from torch import nn
 from poros_lightning import quant
 from poros_lightning.arch import arch_for_model, resolve
 from poros_lightning.engine import EngineOptions, StreamingEngine, move_resident
+from poros_lightning.engine.store import ArenaFactory
 from poros_lightning.errors import PorosConfigError
 
 __all__ = ["prepare", "unprepare", "engine_of", "is_prepared"]
@@ -103,6 +104,7 @@ def prepare(
     resident_blocks: int = 0,
     embeddings_on_host: bool = False,
     allow_unlisted_arch: bool = False,
+    arena_factory: ArenaFactory | None = None,
 ) -> nn.Module:
     """Stream the frozen base of ``model`` from host memory; keep everything else on ``device``.
 
@@ -124,6 +126,9 @@ def prepare(
             host and only the activations are copied (exact: a lookup is a copy). Ignored, with a log
             line, when the embeddings are tied to the LM head.
         allow_unlisted_arch: try an architecture missing from the registry, as experimental.
+        arena_factory: ``(block, nbytes) -> (uint8 CPU tensor, already_filled)`` supplying the host
+            arena of each block (e.g. shared memory, one copy of the base for several processes);
+            plain host allocations when ``None``.
 
     Returns:
         The same ``model``, prepared.
@@ -161,7 +166,7 @@ def prepare(
     if checkpointing:
         log.info("Disabling Hugging Face gradient checkpointing: streamed layers recompute on their own.")
         base.gradient_checkpointing_disable()
-    engine = StreamingEngine(layers, refs, device, options)
+    engine = StreamingEngine(layers, refs, device, options, arena_factory=arena_factory)
     quant.move_quant_states(model, device)
     engine.host_embedding = _host_embedding(base, spec.embed, spec.head, device) if embeddings_on_host else None
     move_resident(model, device)
@@ -184,8 +189,14 @@ def prepare(
     return model
 
 
-def unprepare(model: nn.Module, *, device: torch.device | str | None = None) -> nn.Module:
+def unprepare(model: nn.Module, *, device: torch.device | str | None = None, copy: bool = True) -> nn.Module:
     """Undo :func:`prepare`: every weight gets its own memory on ``device`` (default: the compute device).
+
+    Args:
+        model: a prepared model.
+        device: where the base goes (default: the compute device).
+        copy: ``False`` (with ``device="cpu"``) makes the base's tensors views into the host store
+            instead of copies: no extra host memory, and a store shared between processes stays shared.
 
     Returns:
         The same ``model``, an ordinary resident model again.
@@ -193,7 +204,7 @@ def unprepare(model: nn.Module, *, device: torch.device | str | None = None) -> 
     engine = engine_of(model)
     if engine is None:
         raise PorosConfigError("The model is not prepared for streaming.", "Call prepare(model) first.")
-    engine.detach(device)
+    engine.detach(device, copy=copy)
     base = _base(model)
     if engine.host_embedding is not None:
         engine.host_embedding.detach(device if device is not None else engine.device)

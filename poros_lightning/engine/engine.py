@@ -14,7 +14,7 @@ from torch import nn
 
 from poros_lightning.engine.block import LayerStreamer
 from poros_lightning.engine.slots import SlotRing, rebind
-from poros_lightning.engine.store import HostStore, Layout
+from poros_lightning.engine.store import ArenaFactory, HostStore, Layout
 from poros_lightning.errors import PorosConfigError
 
 __all__ = ["EngineOptions", "StreamingEngine", "move_resident"]
@@ -90,6 +90,8 @@ class StreamingEngine:
         refs: for each layer, ``(owner, attribute)`` pairs naming its frozen tensors to stream.
         device: the compute device.
         options: engine options.
+        arena_factory: supplies the host arenas of the blocks (e.g. shared memory); plain host
+            allocations when ``None``. See :class:`~poros_lightning.engine.store.HostStore`.
     """
 
     def __init__(
@@ -98,6 +100,8 @@ class StreamingEngine:
         refs: list[list[tuple[object, str]]],
         device: torch.device | str,
         options: EngineOptions | None = None,
+        *,
+        arena_factory: ArenaFactory | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -109,7 +113,9 @@ class StreamingEngine:
         block_refs: list[list[tuple[object, str]]] = [[] for _ in range(-(-len(layers) // bs))]
         for j, layer_refs in enumerate(refs):
             block_refs[self.block_of[j]].extend(layer_refs)
-        self.store = HostStore([Layout.of(r) for r in block_refs], pin_memory=self.options.pin_memory)
+        self.store = HostStore(
+            [Layout.of(r) for r in block_refs], pin_memory=self.options.pin_memory, arena_factory=arena_factory
+        )
         self.ring = SlotRing(
             self.store,
             self.device,
@@ -131,13 +137,23 @@ class StreamingEngine:
     def num_blocks(self) -> int:
         return len(self.store)
 
-    def detach(self, device: torch.device | str | None = None) -> None:
-        """Give every streamed tensor its own memory on ``device`` again and unwrap the layers."""
+    def detach(self, device: torch.device | str | None = None, *, copy: bool = True) -> None:
+        """Give every streamed tensor its own memory on ``device`` again and unwrap the layers.
+
+        With ``copy=False`` (``device`` must be the CPU) the tensors become views into the host arenas
+        instead: no new memory, and an arena shared with other processes stays shared.
+        """
         target = torch.device(device) if device is not None else self.device
+        if not copy and target.type != "cpu":
+            raise PorosConfigError(
+                f"detach(copy=False) keeps the base in its host arenas; it cannot target {target}.",
+                "Pass device='cpu' with copy=False, or copy=True to give the base new memory on the device.",
+            )
         self.streamer.uninstall()
         self.ring.release()
         for block, layout in enumerate(self.store.layouts):
             arena = self.store.arenas[block]
             for entry in layout.entries:
-                rebind(entry.owner, entry.attr, entry.view(arena).to(target, copy=True))
+                view = entry.view(arena)
+                rebind(entry.owner, entry.attr, view.to(target, copy=True) if copy else view)
         self.store.release()

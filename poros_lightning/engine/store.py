@@ -9,23 +9,35 @@ Note: [one allocation per block]
     power of two) and costs one registration per tensor. Each block gets ONE pageable allocation of
     exactly its size, registered with the driver as page-locked (``cudaHostRegister``), so the
     host footprint is the NF4 size and copies run at the pinned bandwidth.
+
+Note: [arenas from outside]
+    An :data:`ArenaFactory` may supply the arenas (e.g. files in shared memory, so that the ranks of
+    one host hold one copy of the base). It may report an arena as already holding the block's bytes
+    (written by another process that built the same model); the store then skips the copy. Either
+    way the arena is pinned in place like an arena of our own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from poros_lightning.errors import PorosOOMError
+from poros_lightning.errors import PorosConfigError, PorosOOMError
 
-__all__ = ["ALIGN", "Entry", "Layout", "HostStore", "tensor_bytes"]
+__all__ = ["ALIGN", "ArenaFactory", "Entry", "Layout", "HostStore", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
 ALIGN = 256
 """Byte alignment of every tensor inside an arena or a slot (enough for any dtype view and for kernels)."""
+
+
+ArenaFactory = Callable[[int, int], tuple[torch.Tensor, bool]]
+"""``(block, nbytes) -> (arena, filled)``: a flat ``uint8`` CPU tensor of at least ``nbytes`` for block
+``block``, and whether it already holds the block's bytes (the store then does not copy them)."""
 
 
 def _align(n: int) -> int:
@@ -96,11 +108,15 @@ class HostStore:
     Args:
         layouts: one :class:`Layout` per block.
         pin_memory: page-lock each arena (needs CUDA); without it copies run at pageable speed.
+        arena_factory: supplies the arenas instead of plain host allocations (see the Note above).
     """
 
-    def __init__(self, layouts: list[Layout], pin_memory: bool = True) -> None:
+    def __init__(
+        self, layouts: list[Layout], pin_memory: bool = True, arena_factory: ArenaFactory | None = None
+    ) -> None:
         self.layouts = layouts
         self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.arena_factory = arena_factory
         self.arenas: list[torch.Tensor | None] = [None] * len(layouts)
         self._pinned = [False] * len(layouts)
         self._warned = False
@@ -120,20 +136,34 @@ class HostStore:
     def pinned(self) -> bool:
         return all(self._pinned)
 
-    @torch.no_grad()
-    def fill(self, block: int) -> torch.Tensor:
-        """Allocate block ``block``'s arena and copy its tensors (read from their owners) into it."""
-        layout = self.layouts[block]
+    def _allocate(self, block: int, nbytes: int) -> tuple[torch.Tensor, bool]:
+        if self.arena_factory is not None:
+            arena, filled = self.arena_factory(block, nbytes)
+            if arena.dtype != torch.uint8 or arena.device.type != "cpu" or arena.dim() != 1 or arena.numel() < nbytes:
+                raise PorosConfigError(
+                    f"The arena factory returned a {arena.dtype} tensor of shape {tuple(arena.shape)} on "
+                    f"{arena.device} for block {block}; a flat uint8 CPU tensor of >= {nbytes} bytes is needed.",
+                    "Return torch.empty(nbytes, dtype=torch.uint8) or a uint8 view of shared memory of that size.",
+                )
+            return arena, filled
         try:
-            arena = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+            return torch.empty(nbytes, dtype=torch.uint8), False
         except RuntimeError as err:  # the host is out of memory
             raise PorosOOMError(
-                f"Cannot allocate {layout.nbytes / 2**20:.1f} MiB of host memory for block {block} "
+                f"Cannot allocate {nbytes / 2**20:.1f} MiB of host memory for block {block} "
                 f"(the whole base needs {self.total_bytes / 2**30:.2f} GiB).",
                 "Free host RAM, or run `poros-lightning check MODEL` to see how much the base needs.",
             ) from err
-        for entry in layout.entries:
-            entry.view(arena).copy_(getattr(entry.owner, entry.attr).detach())
+
+    @torch.no_grad()
+    def fill(self, block: int) -> torch.Tensor:
+        """Get block ``block``'s arena and copy its tensors (read from their owners) into it, unless the
+        arena factory reports it filled already."""
+        layout = self.layouts[block]
+        arena, filled = self._allocate(block, max(layout.nbytes, 1))
+        if not filled:
+            for entry in layout.entries:
+                entry.view(arena).copy_(getattr(entry.owner, entry.attr).detach())
         if self.pin_memory and layout.nbytes > 0:
             self._pinned[block] = _cuda_pin(arena)
             if not self._pinned[block] and not self._warned:
