@@ -1,0 +1,110 @@
+"""The poros-lightning command: LightningCLI fit end to end, clear errors for bad configs, tool dispatch, demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from poros_lightning.cli import format_demo, main, run_demo
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "poros_lightning.cli", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+def bad_config(tmp_path: Path, edit) -> Path:
+    config = yaml.safe_load(TINY.read_text())
+    edit(config)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_fit_tiny_cpu_config_end_to_end(tmp_path: Path) -> None:
+    result = run_cli(
+        "fit",
+        "--config",
+        str(TINY),
+        f"--trainer.default_root_dir={tmp_path}",
+        "--save_adapter",
+        str(tmp_path / "a"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (ckpt,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert state and all(".lora_A." in k or ".lora_B." in k for k in state)
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["r"] == 8
+    assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda c: c["model"].update(lora_rank=8), "lora_rank"),
+        (lambda c: c["model"].update(lora_r="eight"), "lora_r"),
+        (lambda c: c["data"].update(batch_sise=2), "batch_sise"),
+    ],
+    ids=["unknown-key", "wrong-type", "unknown-data-key"],
+)
+def test_bad_config_is_a_parser_error(tmp_path: Path, edit, expected: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(bad_config(tmp_path, edit))])
+    assert exit_info.value.code != 0
+    assert expected in capsys.readouterr().err
+
+
+def test_unsupported_model_type_fails_with_a_hint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = bad_config(tmp_path, lambda c: c["model"]["model_config"].update(model_type="mamba9"))
+    assert main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert "'mamba9' is not in the poros-lightning architecture registry" in err and "HINT:" in err
+
+
+def test_bad_value_fails_at_construction(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = bad_config(tmp_path, lambda c: c["model"].update(quantization="int3"))
+    assert main(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path}"]) == 1
+    assert "Unknown quantization 'int3'" in capsys.readouterr().err
+
+
+def test_tools_dispatch_and_missing_tools_are_named(monkeypatch, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--help"])
+    assert exit_info.value.code == 0 and "poros-lightning check" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "poros_lightning.export", None)  # as if the module were not shipped
+    assert main(["export"]) == 1
+    assert "'poros-lightning export' is not available in this build" in capsys.readouterr().err
+
+
+def test_importing_the_cli_for_check_does_not_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.argv = ['poros-lightning', 'check']; import poros_lightning.cli; print('torch' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_run_demo_reports_before_and_after(tmp_path: Path) -> None:
+    result = run_demo(TINY, tmp_path / "run", max_steps=3, max_new_tokens=4)
+    assert result.steps == 3 and len(result.train_losses) == 3
+    assert set(result.val_before) >= {"val/loss", "val/ppl", "val/token_acc"}
+    assert len(result.samples) == 2 and result.samples[0].reference.startswith("Answer:")
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file()
+    report = format_demo(result)
+    assert "val/loss" in report and "before" in report and str(result.adapter_dir) in report
