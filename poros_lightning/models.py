@@ -147,19 +147,6 @@ def _from_config(config: dict[str, Any], dtype: torch.dtype, attn_implementation
     return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
 
 
-def _from_pretrained(model: str, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=attn_implementation)
-    except OSError as err:
-        raise PorosConfigError(
-            f"Cannot load the weights of model {model!r}: {err}",
-            "Check the path or hub id (and network access for a hub id); "
-            f"{SMOLLM2!r} loads the bundled SmolLM2-135M-Instruct offline.",
-        ) from err
-
-
 def load_base_model(
     model: str | None = None,
     config: dict[str, Any] | None = None,
@@ -215,8 +202,17 @@ def load_base_model(
         base = _from_config(config, dtype, attn_implementation)
     else:
         assert model is not None
+        from poros_lightning.quant.loader import load_quantized
+
         source = str(smollm2_dir()) if model == SMOLLM2 else model
         _check_arch(_model_type_of(source), allow_unlisted_arch)
-        base = _from_pretrained(source, dtype, attn_implementation)
+        # Tensor by tensor, quantized on the compute device, cached: host RAM stays near the NF4 size.
+        return load_quantized(
+            source,
+            quantization=quantization,
+            dtype=dtype,
+            allow_unlisted_arch=allow_unlisted_arch,
+            attn_implementation=attn_implementation,
+        ).train()
     quantize_model(base, quantization, compute_dtype=dtype)
     return base.train()
