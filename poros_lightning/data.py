@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from poros_lightning.assets import tiny_instruct_path
+from poros_lightning.checkpoint import ResumableDataLoader
 from poros_lightning.errors import DataError, PorosConfigError
 
 if TYPE_CHECKING:
@@ -538,15 +539,15 @@ class InstructionDataModule(L.LightningDataModule):
         if examples is None:
             raise PorosConfigError("the data module is not set up.", "call setup('fit') before asking for a loader.")
         collate_fn = functools.partial(collate, pad_id=self._pad_id, pad_to_multiple_of=self.pad_to_multiple_of)
-        return DataLoader(
-            examples,  # type: ignore[arg-type]  # a list is a map-style dataset
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            collate_fn=collate_fn,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        kwargs = {
+            "batch_size": self.batch_size,
+            "collate_fn": collate_fn,
+            "num_workers": self.num_workers,
+            "persistent_workers": self.num_workers > 0,
+        }
+        if shuffle:  # the order is a function of (seed, epoch), so a run can resume mid-epoch exactly
+            return ResumableDataLoader(examples, seed=self.seed, **kwargs)
+        return DataLoader(examples, **kwargs)  # type: ignore[arg-type]  # a list is a map-style dataset
 
     @override
     def train_dataloader(self) -> DataLoader:

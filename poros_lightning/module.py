@@ -168,7 +168,15 @@ class LoRALightningModule(L.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         # Catch a tokenizer/model mismatch before the first step instead of as an index error inside it.
-        tokenizer = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        seq_len = getattr(datamodule, "seq_len", None)
+        context = getattr(self.model.get_base_model().config, "max_position_embeddings", None)
+        if isinstance(seq_len, int) and isinstance(context, int) and seq_len > context:
+            raise PorosConfigError(
+                f"data.seq_len={seq_len} exceeds the model's context (max_position_embeddings={context}).",
+                f"Set data.seq_len to at most {context}.",
+            )
+        tokenizer = getattr(datamodule, "tokenizer", None)
         vocab = self.model.get_input_embeddings().num_embeddings
         if tokenizer is not None and len(tokenizer) > vocab:
             raise PorosConfigError(

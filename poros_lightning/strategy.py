@@ -8,6 +8,7 @@ quantizes (through :class:`PorosPrecision`) and prepares every PEFT model the Li
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -40,6 +41,17 @@ def _to_poros_precision(plugin: Precision, quantization: str) -> PorosPrecision:
         )
     flag = getattr(plugin, "precision", "32-true")
     return PorosPrecision(str(flag), quantization=quantization)
+
+
+def nondeterminism(device: torch.device) -> str | None:
+    """Why training on ``device`` may not be bit-reproducible across runs (``None``: nothing known)."""
+    if device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return None
+    return (
+        "torch.use_deterministic_algorithms is off on CUDA: some kernels may sum in a different order on each "
+        "run, so a repeated or resumed run can differ from the first in the last bits. Set trainer.deterministic: "
+        "true (or call torch.use_deterministic_algorithms(True) and export CUBLAS_WORKSPACE_CONFIG=:4096:8)."
+    )
 
 
 class PorosStrategy(SingleDeviceStrategy):
@@ -87,6 +99,13 @@ class PorosStrategy(SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self.quantization = quant.check_quantization(quantization)
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise PorosConfigError(
+                f"PorosStrategy(device={device!r}) asks for a GPU, but this torch {torch.__version__} "
+                f"{'has no CUDA support' if torch.version.cuda is None else 'sees no CUDA device'}.",
+                "Install a CUDA build of torch (see https://pytorch.org/get-started/locally/) and check nvidia-smi, "
+                "or train on the CPU with device='cpu' (trainer.accelerator: cpu).",
+            )
         self._explicit_device = device is not None
         super().__init__(
             device=device if device is not None else default_device(),
@@ -147,6 +166,8 @@ class PorosStrategy(SingleDeviceStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         device = self.root_device
+        if (why := nondeterminism(device)) is not None:
+            warnings.warn(why, stacklevel=2)
         for peft_model in self._peft_models():
             if not is_prepared(peft_model):
                 prepare(peft_model, device=device, **{**self.engine_kwargs, **self._plan(peft_model)})
