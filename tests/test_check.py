@@ -65,7 +65,7 @@ def test_check_each_family_from_a_directory_and_a_file(tmp_path, model_type):
         result = check(str(target), seq_len=64, lora_r=4)
         assert result.supported and result.model_type == model_type
         assert result.family == registered()[model_type].family
-        assert result.status == "experimental"
+        assert result.status == registered()[model_type].status
         assert result.source == str(folder / "config.json")
         assert result.plan is not None and result.plan.nf4_base_bytes > 0
     text = format_check(result)
@@ -77,7 +77,7 @@ def test_well_known_hub_id_offline(capsys):
     assert main(["Qwen/Qwen2.5-7B-Instruct", "--seq-len", "1024", "--lora-r", "8"]) == 0
     out = capsys.readouterr().out
     assert "bundled config facts" in out and "qwen2" in out and "7.62 B" in out and "seq_len 1024" in out
-    assert "bit-identical on CPU parity tests in CI; no GPU gate yet" in out
+    assert "docs/validation/parity_qwen2.5-7b.jsonl" in out  # qwen2 is certified by its GPU gate
     assert check("smollm2").model_type == "llama"
 
 
@@ -169,3 +169,8 @@ def test_check_does_not_import_torch(tmp_path):
     env = dict(os.environ, POROS_LIGHTNING_LIGHT="1", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_experimental_family_says_it_has_no_gpu_gate(capsys):
+    assert main(["mistralai/Mistral-7B-v0.3"]) == 0
+    assert "bit-identical on CPU parity tests in CI; no GPU gate yet" in capsys.readouterr().out
