@@ -99,6 +99,28 @@ def _write_adapter(base: Path, path: Path, r: int = 16) -> None:
     TrainingInfo().write(path)
 
 
+@torch.no_grad()
+def _verify(base: Path, adapter: Path, merged: Path) -> dict[str, float]:
+    """Logits of the merged checkpoint against the NF4 base with the adapter attached, on 32 random tokens."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from poros_lightning.quant import quantize_model
+
+    model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    got = model(input_ids=ids).logits.float()
+    del model
+    resident = quantize_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), "nf4-dq")
+    ref = PeftModel.from_pretrained(resident, adapter).eval()(input_ids=ids).logits.float()
+    return {
+        "max_abs_logit_diff": (got - ref).abs().max().item(),
+        "mean_abs_logit_diff": (got - ref).abs().mean().item(),
+        "max_abs_logit": ref.abs().max().item(),
+        "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+    }
+
+
 def _cpu_name() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -115,6 +137,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--max-shard-size", default="2GB")
     parser.add_argument("--keep-output", action="store_true", help="keep the merged checkpoint")
+    parser.add_argument("--verify", action="store_true", help="compare merged logits with the adapter model's")
     args = parser.parse_args()
     work = Path(args.workdir) / args.model.replace("/", "--")
     base, adapter, out = work / "base", work / "adapter", work / "merged"
@@ -153,6 +176,8 @@ def main() -> None:
         "bitsandbytes": version("bitsandbytes"),
         "command": "python docs/benchmarks/export_bench.py " + " ".join(sys.argv[1:]),
     }
+    if args.verify:
+        record["verify"] = _verify(base, adapter, out)
     if not args.keep_output:
         import shutil
 
