@@ -108,5 +108,7 @@ class SaveAdapter(L.Callback):
             return
         peft_model = find_peft_model(pl_module)
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        peft_model.save_pretrained(str(self.dirpath))
+        from poros_lightning.adapter import save_adapter
+
+        save_adapter(peft_model, self.dirpath)  # PEFT directory + poros_training.json (how the base was quantized)
         rank_zero_info(f"Adapter saved to {self.dirpath}")

@@ -519,6 +519,9 @@ def export(
                     label = f"layer {layer.group(1)}" if layer else t.name
                     bar.update(bar.task_ids[0], advance=_numel(t.shape) * d.itemsize, description=label)
                 writer.close()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written checkpoint behind
+        raise
     finally:
         for f in files.values():
             f.close()

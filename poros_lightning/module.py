@@ -308,4 +308,6 @@ class LoRALightningModule(L.LightningModule):
 
     def save_adapter(self, path: str) -> None:
         """Write the adapter as a standard PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-        self.model.save_pretrained(path)
+        from poros_lightning.adapter import save_adapter
+
+        save_adapter(self.model, path)  # PEFT directory + poros_training.json (how the base was quantized)

@@ -133,7 +133,12 @@ def test_unquantized_training_merges_into_bf16_base(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     base = _save_base(tmp_path / "base")
-    model = _trained("none")
+    model = build_peft_model(lora_dropout=0.0, quantization="none").eval()
+    torch.manual_seed(4)
+    with torch.no_grad():  # a non-zero update without the cost of training
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(std=0.05)
     adapter = save_adapter(model, tmp_path / "adapter")
     assert TrainingInfo.read(adapter) == TrainingInfo(quantization="none", compute_dtype="bfloat16", unquantized=())
     out = export(adapter, base, tmp_path / "out", progress=False)
@@ -263,3 +268,37 @@ def test_chunked_copies_are_exact(setup: dict, tmp_path: Path, monkeypatch: pyte
     out = export(setup["adapter"], setup["base"], tmp_path / "out", dtype="fp32", progress=False)
     ours, reference = _weights(out.out_dir), _weights(setup["fp32"].out_dir)
     assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_base_from_the_streamed_loader(setup: dict, tmp_path: Path) -> None:
+    """A base loaded by quant.loader (as LoRALightningModule loads a model directory): the record says where it
+    was quantized, and the export rebuilds its 4-bit weights bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    from poros_lightning.quant.loader import load_quantized
+
+    base = load_quantized(setup["base"], compute_device="cpu", use_cache=False, progress=False)
+    torch.manual_seed(3)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR, init_lora_weights=False))
+    adapter = save_adapter(model, tmp_path / "adapter")
+    assert TrainingInfo.read(adapter) == TrainingInfo(quantized_on="cpu")
+    out = export(adapter, setup["base"], tmp_path / "out", dtype="fp32", progress=False)
+    assert out.device == "cpu"
+    weights, loras = _weights(out.out_dir), read_lora(adapter)[1]
+    for name, module in model.get_base_model().named_modules():
+        if is_4bit_linear(module):
+            key = name.removesuffix(".base_layer")
+            expected = _dequantized(module).float() + loras[key].delta()
+            assert torch.equal(weights[f"{key}.weight"], expected), key
+
+
+def test_failed_export_leaves_nothing(setup: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import poros_lightning.export as export_module
+
+    def broken(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export_module, "_copy", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export(setup["adapter"], setup["base"], tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []
