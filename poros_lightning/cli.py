@@ -13,6 +13,7 @@ import functools
 import importlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,14 +136,17 @@ class DemoResult:
 
     @property
     def val_loss_before(self) -> float:
+        """Validation loss before training."""
         return self.val_before["val/loss"]
 
     @property
     def val_loss_after(self) -> float:
+        """Validation loss after training."""
         return self.val_after["val/loss"]
 
 
 def _held_out_records(datamodule: Any, n: int) -> list[dict[str, Any]]:
+    """Records from the datamodule's ``val_path``, else from the bundled validation split."""
     from poros_lightning.assets import tiny_instruct_path
     from poros_lightning.data import read_records
 
@@ -210,35 +214,33 @@ def generate_answers(
     return answers
 
 
-class _LossHistory:
-    """Collects the training loss of every step (a Lightning callback built lazily)."""
+def _loss_history() -> Any:
+    """A Lightning callback that keeps the training loss of every step in ``.losses``."""
+    import lightning as L
+    from typing_extensions import override
 
-    @staticmethod
-    def make() -> Any:
-        import lightning as L
-        from typing_extensions import override
+    class LossHistory(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
 
-        class LossHistory(L.Callback):
-            def __init__(self) -> None:
-                self.losses: list[float] = []
+        @override
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss))
 
-            @override
-            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-                self.losses.append(float(loss))
-
-        return LossHistory()
+    return LossHistory()
 
 
 def _plot_losses(losses: list[float], val_before: float, val_after: float, path: Path) -> Path | None:
+    """Write the loss curve as a PNG; ``None`` without matplotlib. Uses no pyplot (global) state."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     ax.plot(range(1, len(losses) + 1), losses, lw=1, label="train loss (per step)")
     ax.scatter([0, len(losses)], [val_before, val_after], color="C3", zorder=3, label="validation loss")
     ax.set_xlabel("step")
@@ -246,7 +248,6 @@ def _plot_losses(losses: list[float], val_before: float, val_after: float, path:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -258,6 +259,7 @@ def run_demo(
     num_samples: int = 2,
     max_new_tokens: int = 40,
     extra_args: list[str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> DemoResult:
     """Fine-tune with a config end to end and show that it helped.
 
@@ -272,7 +274,9 @@ def run_demo(
         num_samples: held-out prompts to answer.
         max_new_tokens: generation length.
         extra_args: more LightningCLI arguments (``["--model.lora_r=8"]``).
+        progress: called with a short line as each phase starts (the CLI prints them to stderr).
     """
+    say = progress or (lambda _: None)
     start = time.perf_counter()
     config = Path(config)
     if not config.is_file():
@@ -281,18 +285,24 @@ def run_demo(
     args = ["--config", str(config), f"--trainer.default_root_dir={run_dir}", *(extra_args or [])]
     if max_steps is not None:
         args.append(f"--trainer.max_steps={max_steps}")
+    say(f"building model and data from {config}")
     cli = _cli_class()(args=args, run=False)
     trainer, module, datamodule = cli.trainer, cli.model, cli.datamodule
-    history = _LossHistory.make()
+    history = _loss_history()
     trainer.callbacks.append(history)
 
     records = _held_out_records(datamodule, num_samples)
+    say("validating before training")
     val_before = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
+    say(f"answering {len(records)} held-out prompts before training")
     before = generate_answers(module, datamodule.tokenizer, records, max_new_tokens)
+    say(f"training ({trainer.max_steps} steps)")
     fit_start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     train_seconds = time.perf_counter() - fit_start
+    say("validating after training")
     val_after = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
+    say("answering the held-out prompts after training")
     after = generate_answers(module, datamodule.tokenizer, records, max_new_tokens)
 
     adapter_dir = run_dir / "adapter"
@@ -345,7 +355,15 @@ def _demo_main(argv: list[str]) -> int:
     parser.add_argument("--max-steps", type=int, default=None, help="override trainer.max_steps")
     parser.add_argument("--samples", type=int, default=2, help="held-out prompts to answer (default: %(default)s)")
     args, extra = parser.parse_known_args(argv)
-    result = run_demo(args.config, args.run_dir, max_steps=args.max_steps, num_samples=args.samples, extra_args=extra)
+    start = time.perf_counter()
+    result = run_demo(
+        args.config,
+        args.run_dir,
+        max_steps=args.max_steps,
+        num_samples=args.samples,
+        extra_args=extra,
+        progress=lambda line: print(f"[demo {time.perf_counter() - start:4.0f} s] {line}", file=sys.stderr, flush=True),
+    )
     print(format_demo(result))
     return 0
 

@@ -41,6 +41,8 @@ def test_fit_tiny_cpu_config_end_to_end(tmp_path: Path) -> None:
         "--config",
         str(TINY),
         f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1",
         "--save_adapter",
         str(tmp_path / "a"),
         cwd=tmp_path,
@@ -101,10 +103,20 @@ def test_importing_the_cli_for_check_does_not_import_torch(tmp_path: Path) -> No
 
 
 def test_run_demo_reports_before_and_after(tmp_path: Path) -> None:
-    result = run_demo(TINY, tmp_path / "run", max_steps=3, max_new_tokens=4)
-    assert result.steps == 3 and len(result.train_losses) == 3
+    lines: list[str] = []
+    result = run_demo(
+        TINY,
+        tmp_path / "run",
+        max_steps=2,
+        max_new_tokens=3,
+        extra_args=["--trainer.limit_val_batches=1"],
+        progress=lines.append,
+    )
+    assert result.steps == 2 and len(result.train_losses) == 2
+    assert any(line.startswith("training") for line in lines)
     assert set(result.val_before) >= {"val/loss", "val/ppl", "val/token_acc"}
     assert len(result.samples) == 2 and result.samples[0].reference.startswith("Answer:")
     assert (result.adapter_dir / "adapter_model.safetensors").is_file()
+    assert result.loss_curve is None or result.loss_curve.is_file()
     report = format_demo(result)
     assert "val/loss" in report and "before" in report and str(result.adapter_dir) in report
