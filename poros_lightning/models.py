@@ -1,8 +1,9 @@
 """Base models: any registered Hugging Face causal LM, frozen, quantized, in train mode.
 
 A base comes from one of three places: a config dict (random init, for tests and benchmarks), a local
-directory or hub id (``from_pretrained``), or the bundled SmolLM2-135M-Instruct GGUF file (``"smollm2"``),
-which is converted once to a safetensors directory in a cache and loaded from there afterwards.
+directory or hub id (the streamed NF4 loader, :func:`poros_lightning.quant.loader.load_quantized`), or the
+bundled SmolLM2-135M-Instruct GGUF file (``"smollm2"``), which is converted once to a safetensors directory in
+a cache and loaded from there afterwards.
 
 Invariants this module keeps: the architecture registry is consulted *before* any weight is built, so an
 unsupported model fails in a second rather than after a long load; nothing here seeds or draws from an
@@ -158,9 +159,10 @@ def load_base_model(
 ) -> PreTrainedModel:
     """Build a frozen-ready Hugging Face causal LM, quantize its linear layers, and put it in train mode.
 
-    Exactly one of ``model`` and ``config`` is given. The model is built on the CPU; 4-bit quantization
-    also runs there (the LM head stays in ``compute_dtype``). Nothing is seeded here: a random init draws
-    from the global RNG, so seed before calling for reproducible weights.
+    Exactly one of ``model`` and ``config`` is given. A config is built and quantized on the CPU; pretrained
+    weights are read tensor by tensor and quantized on the compute device (CUDA when available), so host RAM
+    stays near the NF4 size. The LM head stays in ``compute_dtype``. Nothing is seeded here: a random init
+    draws from the global RNG, so seed before calling for reproducible weights.
 
     Args:
         model: a local directory, a hub id, or ``"smollm2"`` (bundled SmolLM2-135M-Instruct).

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from poros_lightning.callbacks import SaveAdapter, SystemMetrics, find_peft_model
-from poros_lightning.errors import PorosConfigError, PorosError, ResumeMismatchError
+from poros_lightning.errors import NonFiniteLossError, PorosConfigError, PorosError, ResumeMismatchError
 from poros_lightning.module import LoRALightningModule, causal_lm_loss
 from poros_lightning.quant import is_4bit_linear
 
@@ -201,3 +201,12 @@ def test_tokenizer_larger_than_the_vocabulary_is_rejected_at_setup(tmp_path) -> 
 def test_bad_arguments_raise_config_errors(kwargs: dict, match: str) -> None:
     with pytest.raises(PorosConfigError, match=match):
         make_module(**kwargs)
+
+
+def test_non_finite_loss_stops_training_with_a_hint(tmp_path, monkeypatch) -> None:
+    module = make_module()
+    monkeypatch.setattr(
+        module, "training_step", lambda batch, batch_idx: torch.tensor(float("nan"), requires_grad=True)
+    )
+    with pytest.raises(NonFiniteLossError, match="HINT: Lower model.learning_rate"):
+        trainer(tmp_path, max_steps=2).fit(module, random_batches())
