@@ -71,7 +71,6 @@ def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from poros_lightning.strategy import PorosStrategy
-
     from poros_lightning.strategy_ddp import PorosDDPStrategy
 
     PorosStrategy.register_strategies(StrategyRegistry)

@@ -15,6 +15,15 @@ mid-epoch: :class:`ResumableDataLoader` shuffles with ``torch.Generator().manual
 convention of ``DistributedSampler``) and implements Lightning's ``state_dict`` / ``load_state_dict``
 protocol, so Lightning hands it the saved position before the first batch is fetched. The position saved is
 the number of batches the loop consumed, not the number the loader yielded (the fetcher reads one ahead).
+DataLoader workers change nothing: indices are drawn in the main process, and the base seed each iterator
+draws for its workers comes from the loader's own generator, never from the global RNG (a persistent-worker
+loader draws it once per run, which a resumed run could not repeat).
+
+Note: [end of training] The checkpoint written when training ends holds the loop counters, the data position
+and the RNG states as they were right after the last optimizer step, as a periodic checkpoint of that step
+would. By ``on_train_end`` Lightning has marked the interrupted epoch finished (a run stopped by ``max_steps``
+or ``max_time`` mid-epoch would resume at the next epoch), and batches accumulated after the last step have
+drawn dropout masks.
 """
 
 from __future__ import annotations
@@ -38,7 +47,15 @@ from typing_extensions import override
 
 from poros_lightning.errors import PorosConfigError, ResumeMismatchError
 
-__all__ = ["Checkpoint", "PorosCheckpoint", "ResumableDataLoader", "ResumableSampler", "load_checkpoint", "load_latest"]
+__all__ = [
+    "Checkpoint",
+    "PorosCheckpoint",
+    "ResumableDataLoader",
+    "ResumableSampler",
+    "load_checkpoint",
+    "load_latest",
+    "resume_source",
+]
 
 FILES = ("adapter.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json", "rng.safetensors",
          "rng.json", "meta.json")  # fmt: skip
@@ -246,6 +263,41 @@ def load_latest(dirpath: str | Path) -> Checkpoint | None:
     return None
 
 
+def _no_checkpoint(source: Path) -> ResumeMismatchError:
+    where = "" if source.is_dir() else " (no such directory)"
+    if _STEP.match(source.name):
+        where += f"; it is named like one checkpoint: resume takes the directory holding them, {source.parent}"
+    return ResumeMismatchError(
+        f"No loadable checkpoint under {source}{where}.",
+        "Resume from the dirpath of a PorosCheckpoint run (it holds step-<N>/ directories), or use --resume auto "
+        "(PorosCheckpoint(resume=True)) to resume when a checkpoint exists and start fresh otherwise.",
+    )
+
+
+def resume_source(resume: bool | str | Path | None, dirpath: str | Path) -> Path | None:
+    """The directory ``PorosCheckpoint(dirpath, resume=resume)`` resumes from, checked without loading anything.
+
+    Args:
+        resume: ``False``/``None``: no resume; ``True``: ``dirpath`` if it holds a checkpoint; a path: that
+            directory, which must hold one.
+        dirpath: the callback's checkpoint directory.
+
+    Returns:
+        The directory to load from, or ``None``: the run starts fresh.
+
+    Raises:
+        ResumeMismatchError: ``resume`` is a path with no checkpoint directory under it.
+    """
+    if resume is None or resume is False or resume == "":
+        return None
+    source = Path(dirpath) if resume is True else Path(resume)
+    if source.is_dir() and _step_dirs(source):
+        return source
+    if resume is True:
+        return None
+    raise _no_checkpoint(source)
+
+
 # ------------------------------------------------------------------------------------------------ state
 
 
@@ -436,17 +488,18 @@ class PorosCheckpoint(L.Callback):
         self.dirpath, self.every_n_steps, self.keep_last, self.resume = Path(dirpath), every_n_steps, keep_last, resume
         self.resumed_from: Checkpoint | None = None
         self._last_saved = -1
+        self._after_step: dict[str, Any] | None = None  # see Note: [end of training]
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.resume:
+        source = resume_source(self.resume, self.dirpath)
+        if source is None:
             return
-        source = self.dirpath if self.resume is True else Path(self.resume)
         ckpt = load_latest(source)
-        if ckpt is None:
+        if ckpt is None:  # every checkpoint there is incomplete or corrupt (load_latest warned about each)
             if self.resume is True:
                 return
-            raise ResumeMismatchError(f"No loadable checkpoint under {source}.", "Check the --resume directory.")
+            raise _no_checkpoint(source)
         check_identity(ckpt.meta["identity"], run_identity(trainer, pl_module), ckpt.path)
         with torch.no_grad():
             for name, p in pl_module.named_parameters():
@@ -466,6 +519,7 @@ class PorosCheckpoint(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.resumed_from is not None:
             _restore_rng(self.resumed_from)  # last: nothing between here and the first batch draws
+        self._after_step = _progress(trainer)  # the state "after" the step this fit starts from
 
     @override
     def on_train_batch_end(
@@ -475,6 +529,8 @@ class PorosCheckpoint(L.Callback):
         if loss is not None and not bool(torch.isfinite(loss)):
             return  # the module stops the run; the previous checkpoint stays the latest
         step = trainer.global_step
+        if self._after_step is None or self._after_step["global_step"] != step:  # this batch ended with a step
+            self._after_step = _progress(trainer)  # a few counters and the RNG states: cheap every step
         if step > self._last_saved and step % self.every_n_steps == 0:
             self.save(trainer, pl_module)
 
@@ -484,7 +540,11 @@ class PorosCheckpoint(L.Callback):
             self.save(trainer, pl_module)
 
     def save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path | None:
-        """Write a checkpoint of the current state (global rank zero only); returns its directory."""
+        """Write a checkpoint of the state after the last optimizer step (global rank zero only).
+
+        Returns:
+            The checkpoint directory, or ``None`` where nothing was written (another rank, a non-finite adapter).
+        """
         step = trainer.global_step
         self._last_saved = step
         adapter = {name: p for name, p in pl_module.named_parameters() if p.requires_grad}
@@ -496,18 +556,11 @@ class PorosCheckpoint(L.Callback):
         if len(trainer.optimizers) != 1:
             raise PorosConfigError("PorosCheckpoint supports one optimizer.", "Return one optimizer.")
         opt_tensors, opt_json = _optimizer_files(trainer.optimizers[0])
-        rng_tensors, rng_json = _rng_files()
-        fit_loop = trainer.fit_loop.state_dict()
-        epoch_loop = trainer.fit_loop.epoch_loop
-        loaders = fit_loop["state_dict"].get("combined_loader", [])
-        for state in loaders:  # the loop's count, not the loader's: the fetcher reads ahead
-            state["batches"] = epoch_loop.batch_progress.current.processed
+        after = self._after_step  # see Note: [end of training]
+        progress = after if after is not None and after["global_step"] == step else _progress(trainer)
         meta = {
             "format": 1,
-            "global_step": step,
-            "epoch": trainer.current_epoch,
-            "batches_in_epoch": epoch_loop.batch_progress.current.processed,
-            "fit_loop": _jsonable(fit_loop, "The fit loop state"),
+            **{key: progress[key] for key in ("global_step", "epoch", "batches_in_epoch", "fit_loop")},
             "identity": run_identity(trainer, pl_module),
         }
         schedulers = [_jsonable(c.scheduler.state_dict(), "The lr scheduler") for c in trainer.lr_scheduler_configs]
@@ -516,8 +569,25 @@ class PorosCheckpoint(L.Callback):
             "optimizer.safetensors": opt_tensors,
             "optimizer.json": opt_json,
             "scheduler.json": {"schedulers": schedulers},
-            "rng.safetensors": rng_tensors,
-            "rng.json": rng_json,
+            "rng.safetensors": progress["rng_tensors"],
+            "rng.json": progress["rng"],
             "meta.json": meta,
         }
         return write_checkpoint(self.dirpath, step, files, self.keep_last)
+
+
+def _progress(trainer: L.Trainer) -> dict[str, Any]:
+    """The loop counters, the data position and every RNG state, as they are now."""
+    fit_loop = trainer.fit_loop.state_dict()
+    processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    for state in fit_loop["state_dict"].get("combined_loader", []):
+        state["batches"] = processed  # the loop's count, not the loader's: the fetcher reads ahead
+    rng_tensors, rng = _rng_files()
+    return {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "batches_in_epoch": processed,
+        "fit_loop": _jsonable(fit_loop, "The fit loop state"),
+        "rng_tensors": rng_tensors,
+        "rng": rng,
+    }

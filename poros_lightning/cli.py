@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from poros_lightning.errors import PorosError
+from poros_lightning.errors import PorosConfigError, PorosError
 
 if TYPE_CHECKING:
     import lightning as L
@@ -31,6 +31,42 @@ _DESCRIPTION = (
     "Also: check, doctor, demo, export, bench, parity (each takes --help)."
 )
 DEFAULT_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+_RESUME_HINT = (
+    "Use --resume auto (resume from the newest checkpoint in the PorosCheckpoint dirpath if there is one, else "
+    "start fresh) or --resume DIR (a PorosCheckpoint dirpath holding step-<N>/ directories)."
+)
+
+
+def _resume_value(value: str | None, subcommand: str | None, ckpt_path: str | None) -> bool | Path | None:
+    """Check ``--resume`` before anything is built: ``True`` for ``auto``, the directory for ``DIR``, else ``None``.
+
+    Raises:
+        PorosConfigError: ``--resume`` outside ``fit``, next to ``--ckpt_path``, or neither ``auto`` nor a directory.
+        ResumeMismatchError: ``DIR`` holds no checkpoint.
+    """
+    if value is None:
+        return None
+    if subcommand != "fit":
+        where = f"'poros-lightning {subcommand}'" if subcommand else "a PorosCLI built with run=False"
+        raise PorosConfigError(
+            f"--resume is an option of 'poros-lightning fit' only, not of {where}.",
+            "Drop --resume, or run 'poros-lightning fit --config X.yaml --resume auto'.",
+        )
+    if ckpt_path is not None:
+        raise PorosConfigError(
+            f"--resume {value!r} and --ckpt_path {ckpt_path!r} are both set.",
+            "Resume from a PorosCheckpoint directory with --resume (exact), or from a Lightning .ckpt with "
+            "--ckpt_path, not both.",
+        )
+    if value == "auto":
+        return True
+    path = Path(value)
+    if not value.strip() or not path.is_dir():
+        raise PorosConfigError(f"--resume {value!r} is neither 'auto' nor an existing directory.", _RESUME_HINT)
+    from poros_lightning.checkpoint import resume_source
+
+    resume_source(path, path)  # fails now, before the model is built, when DIR holds no checkpoint
+    return path
 
 
 def _make_cli_class() -> type:
@@ -44,12 +80,17 @@ def _make_cli_class() -> type:
         ``model`` defaults to :class:`~poros_lightning.module.LoRALightningModule` and ``data`` to
         :class:`~poros_lightning.data.InstructionDataModule`; both accept ``class_path`` for your own classes.
         The optimizer is the module's own (AdamW on the adapter only), so ``--optimizer`` is not offered.
-        ``--save_adapter DIR`` writes the PEFT adapter directory when ``fit`` finishes.
+        ``--save_adapter DIR`` writes the PEFT adapter directory when ``fit`` finishes. ``fit --resume auto``
+        resumes from the newest checkpoint in the :class:`~poros_lightning.checkpoint.PorosCheckpoint` dirpath if
+        there is one, else starts fresh; ``fit --resume DIR`` resumes from the newest checkpoint under ``DIR`` (it
+        must hold one). A ``PorosCheckpoint`` in the config keeps writing to its own dirpath; without one,
+        ``--resume`` adds one writing to ``DIR`` (or ``checkpoints`` for ``auto``).
         """
 
         def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
             import lightning as L
 
+            self._resume: bool | Path | None = None
             kwargs.setdefault("seed_everything_default", 0)
             kwargs.setdefault("save_config_kwargs", {"overwrite": True})
             kwargs.setdefault("auto_configure_optimizers", False)
@@ -78,6 +119,20 @@ def _make_cli_class() -> type:
                 default=None,
                 help="Directory to write the PEFT adapter (adapter_config.json + safetensors) to after fit.",
             )
+            parser.add_argument(
+                "--resume",
+                type=str | None,
+                default=None,
+                help="fit only. 'auto': resume from the newest checkpoint in the PorosCheckpoint dirpath if there is "
+                "one, else start fresh. DIR: resume from the newest checkpoint under DIR (it must hold one). A "
+                "PorosCheckpoint in the config keeps writing to its dirpath; without one, one is added writing to DIR "
+                "(or 'checkpoints' for auto).",
+            )
+
+        @override
+        def before_instantiate_classes(self) -> None:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            self._resume = _resume_value(config.get("resume"), self.subcommand, config.get("ckpt_path"))
 
         @override
         def before_fit(self) -> None:
@@ -86,6 +141,26 @@ def _make_cli_class() -> type:
                 from poros_lightning.callbacks import SaveAdapter
 
                 self.trainer.callbacks.append(SaveAdapter(adapter_dir))
+            if self._resume is not None:
+                self._install_resume(self._resume)
+
+        def _install_resume(self, resume: bool | Path) -> None:
+            """Point the config's PorosCheckpoint at ``resume``, or add one that resumes and keeps writing."""
+            from poros_lightning.checkpoint import PorosCheckpoint
+
+            found = [c for c in self.trainer.callbacks if isinstance(c, PorosCheckpoint)]
+            if len(found) > 1:
+                raise PorosConfigError(
+                    f"--resume is ambiguous: the config has {len(found)} PorosCheckpoint callbacks "
+                    f"({', '.join(str(c.dirpath) for c in found)}).",
+                    "Keep one PorosCheckpoint in trainer.callbacks.",
+                )
+            value = True if resume is True else str(resume)
+            if found:
+                found[0].resume = value
+            else:
+                dirpath = "checkpoints" if resume is True else resume
+                self.trainer.callbacks.append(PorosCheckpoint(dirpath=dirpath, resume=value))
 
     _PorosCLI.__name__ = _PorosCLI.__qualname__ = "PorosCLI"
     _PorosCLI.__module__ = __name__

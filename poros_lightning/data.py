@@ -9,8 +9,8 @@ instruction/input/output, prompt/completion, messages (chat turns) or plain text
   the same tokens as training did (tokenize it with ``add_special_tokens=False``).
 * Every record is validated and tokenized in ``setup``; nothing is read or checked mid-epoch. Errors name the
   file, the line (or row) and the field.
-* The same ``seed`` gives the same split and the same batches: the training loader shuffles with its own
-  ``torch.Generator`` and draws nothing from the global RNG.
+* The same ``seed`` gives the same split and the same batches: the loaders shuffle and seed their workers with
+  their own ``torch.Generator`` and draw nothing from the global RNG.
 
 Heavy optional imports (``datasets``, ``pyarrow``) happen in :func:`_optional_import` only.
 """
@@ -547,7 +547,10 @@ class InstructionDataModule(L.LightningDataModule):
         }
         if shuffle:  # the order is a function of (seed, epoch), so a run can resume mid-epoch exactly
             return ResumableDataLoader(examples, seed=self.seed, **kwargs)
-        return DataLoader(examples, **kwargs)  # type: ignore[arg-type]  # a list is a map-style dataset
+        # Every DataLoader iterator draws its workers' base seed from `generator`, else from the global torch RNG;
+        # with persistent workers only the first validation would draw, which a resumed run cannot repeat.
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(examples, generator=generator, **kwargs)  # type: ignore[arg-type]  # a list is map-style
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -84,6 +84,38 @@ def test_bad_value_fails_at_construction(tmp_path: Path, capsys: pytest.CaptureF
     assert "Unknown quantization 'int3'" in capsys.readouterr().err
 
 
+def _checkpoint_callbacks(config: dict, *dirpaths: str) -> None:
+    config["trainer"]["callbacks"] = [
+        {"class_path": "poros_lightning.checkpoint.PorosCheckpoint", "init_args": {"dirpath": d}} for d in dirpaths
+    ]
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "edit", "expected"),
+    [
+        ("fit", ["--resume", "empty"], None, "No loadable checkpoint under empty."),
+        ("fit", ["--resume", "ckpt/step-3"], None, "resume takes the directory holding them, ckpt."),
+        ("fit", ["--resume", "missing"], None, "--resume 'missing' is neither 'auto' nor an existing directory."),
+        ("fit", ["--resume", ""], None, "--resume '' is neither 'auto' nor an existing directory."),
+        ("fit", ["--resume", "auto", "--ckpt_path", "last.ckpt"], None, "are both set"),
+        ("validate", ["--resume", "auto"], None, "--resume is an option of 'poros-lightning fit' only"),
+        ("fit", ["--resume", "auto"], lambda c: _checkpoint_callbacks(c, "a", "b"), "2 PorosCheckpoint callbacks"),
+    ],
+    ids=["no-checkpoint", "one-checkpoint", "not-a-dir", "empty", "with-ckpt-path", "not-fit", "two-callbacks"],
+)
+def test_bad_resume_fails_with_a_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, command, args, edit, expected
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()  # exists, holds no step-<N>/ directory
+    (tmp_path / "ckpt" / "step-3").mkdir(parents=True)  # one checkpoint, not the directory holding them
+    config = bad_config(tmp_path, edit) if edit else TINY
+    assert main([command, "--config", str(config), f"--trainer.default_root_dir={tmp_path}", *args]) == 1
+    err = capsys.readouterr().err
+    assert "poros-lightning: error: " in err and expected in err and "\nHINT: " in err, err[-2000:]
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "lightning_logs").exists()  # nothing ran
+
+
 def test_tools_dispatch_and_missing_tools_are_named(monkeypatch, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["check", "--help"])

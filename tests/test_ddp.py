@@ -9,6 +9,12 @@ GPU gate (2 CUDA devices, NCCL; ``POROS_DDP_MODEL`` picks a known config, Qwen/Q
 writing ``$POROS_ARTIFACTS/validation/ddp_<model>.jsonl``:
 
     POROS_ARTIFACTS=docs CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_NVLS_ENABLE=0 pytest -m gpu tests/test_ddp.py
+
+With one GPU, the NCCL smoke test runs the two ranks as two processes on that GPU. NCCL refuses two
+ranks of one host on one device ("Duplicate GPU detected"), so each process is its own "node"
+(``num_nodes=2``, a distinct ``NCCL_HOSTID``): NCCL then connects them over its socket transport on
+the loopback interface. Each rank holds its own host copy of the base (``shared_base=False``: the
+shared copy is per node, and these two nodes share a host). It writes ``ddp_<model>_one_gpu.jsonl``.
 """
 
 from __future__ import annotations
@@ -298,22 +304,31 @@ GPU_MODEL = os.environ.get("POROS_DDP_MODEL", "Qwen/Qwen2.5-7B")  # a name known
 GPU_SEQ, GPU_STEPS = 512, int(os.environ.get("POROS_GPU_STEPS", "5"))
 
 
+ONE_GPU = os.environ.get("POROS_DDP_ONE_GPU") == "1"  # the smoke layout: 2 "nodes" of 1 process on one GPU
+
+
 def _gpu_fit(world: int, out: Path) -> None:
     from poros_lightning.arch.known import known_config
     from poros_lightning.parity.build import build_peft_model as build_gpu
 
     torch.use_deterministic_algorithms(True)
     config = known_config(GPU_MODEL)
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    device = "cuda:0" if ONE_GPU else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     L.seed_everything(0, verbose=False)
     module = ParityModule(lambda: build_gpu(config, device=device, lora_r=16, lora_dropout=0.0), lr=1e-3)
     L.seed_everything(0, verbose=False)
     rec = Surfaces()
-    strategy = PorosDDPStrategy() if world > 1 else PorosStrategy()
+    if world == 1:
+        strategy, devices, nodes = PorosStrategy(), 1, 1
+    elif ONE_GPU:
+        strategy, devices, nodes = PorosDDPStrategy(process_group_backend="nccl", shared_base=False), 1, world
+    else:
+        strategy, devices, nodes = PorosDDPStrategy(), world, 1
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="gpu",
-        devices=world,
+        devices=devices,
+        num_nodes=nodes,
         max_steps=GPU_STEPS,
         accumulate_grad_batches=1 if world > 1 else 2,
         callbacks=[rec],
@@ -331,6 +346,10 @@ def _gpu_fit(world: int, out: Path) -> None:
     trainer.fit(module, DataLoader(data, batch_size=1, sampler=sampler))
     if trainer.is_global_zero:
         extra = {"seconds": time.perf_counter() - t0, "memory": getattr(rec, "memory", None)}
+        if world > 1:
+            import torch.distributed as dist
+
+            extra["backend"] = dist.get_backend()
         torch.save({**rec.state(), **extra}, out / f"gpu_world{world}.pt")
 
 
@@ -371,6 +390,81 @@ def test_gpu_two_ranks_nccl_equal_one_gpu_accumulating(tmp_path: Path) -> None:
         for row in result.rows:
             f.write(json.dumps({"model": model, "world_size": 2, **row}) + "\n")
         f.write(json.dumps(summary) + "\n")
+    assert result.equal, result.first_mismatch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_nccl_smoke_two_processes_on_one_gpu(tmp_path: Path) -> None:
+    """The NCCL path with the GPU one has: two rank processes on one device vs one process accumulating 2."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        "POROS_DDP_ONE_GPU": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+    }
+    cmd = [sys.executable, str(Path(__file__).resolve()), "gpu2", str(tmp_path)]
+    logs = [(tmp_path / f"node{r}.log").open("w") for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**env, "NODE_RANK": str(r), "NCCL_HOSTID": f"poros-smoke-{r}"},
+            cwd=root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        for r, log in enumerate(logs)
+    ]
+    codes = [proc.wait(timeout=1500) for proc in procs]
+    for log in logs:
+        log.close()
+    assert codes == [0, 0], "\n".join((tmp_path / f"node{r}.log").read_text()[-4000:] for r in range(2))
+    single = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "gpu1", str(tmp_path)],
+        env={k: v for k, v in env.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")},
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert single.returncode == 0, single.stderr[-6000:]
+    got, ref = (_load(tmp_path / f"gpu_world{w}.pt") for w in (2, 1))
+    result = compare(ref, got)
+    name = f"ddp_{GPU_MODEL.split('/')[-1].lower()}_one_gpu.jsonl"
+    artifacts = Path(os.environ.get("POROS_ARTIFACTS", tmp_path)) / "validation" / name
+    artifacts.parent.mkdir(parents=True, exist_ok=True)
+    model = f"{GPU_MODEL} (random init)"
+    summary = {
+        "summary": True,
+        "model": model,
+        "world_size": 2,
+        "topology": "2 processes on 1 GPU, each its own node (NCCL_HOSTID), NCCL socket transport on loopback",
+        "reference": "1 process on the same GPU, accumulate_grad_batches=2",
+        "steps": GPU_STEPS,
+        "seq_len": GPU_SEQ,
+        "micro_batch": 1,
+        "lora_r": 16,
+        "lora_dropout": 0.0,
+        "backend": got.backend,
+        "surfaces": result.surfaces,
+        "equal": result.equal,
+        "first_mismatch": result.first_mismatch,
+        "seconds": {"ddp": got.seconds, "reference": ref.seconds},
+        **versions(),
+    }
+    with artifacts.open("a") as f:
+        for row in result.rows:
+            f.write(json.dumps({"model": model, "world_size": 2, **row}) + "\n")
+        f.write(json.dumps(summary) + "\n")
+    assert got.backend == "nccl"
     assert result.equal, result.first_mismatch
 
 

@@ -1,5 +1,6 @@
-"""Crash and resume: a SIGKILLed CLI run resumed from its last checkpoint ends torch.equal to an uninterrupted run;
-an interrupted checkpoint write leaves the previous checkpoint loadable; a mismatched resume is refused."""
+"""Crash and resume: a SIGKILLed CLI run resumed with ``--resume DIR`` ends torch.equal to an uninterrupted run, and
+so does a run stopped and resumed with ``--resume auto`` while DataLoader workers feed it; an interrupted checkpoint
+write leaves the previous checkpoint loadable; a mismatched resume is refused."""
 
 from __future__ import annotations
 
@@ -25,16 +26,22 @@ from poros_lightning.checkpoint import (
     load_latest,
     write_checkpoint,
 )
+from poros_lightning.cli import main
 from poros_lightning.errors import ResumeMismatchError
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 6  # 3 batches an epoch: a kill after step 2, 3 or 4 resumes mid-epoch, at its end, or past it
 
 
-def _config(tmp_path: Path, name: str) -> Path:
+def _config(tmp_path: Path, name: str, *, checkpoint: bool = True, num_workers: int = 0) -> Path:
+    """A tiny run; ``checkpoint``: a PorosCheckpoint writing every step to ``<name>/ckpt`` (no resume setting)."""
     config = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
     config["model"].update(lora_dropout=0.1, warmup_steps=3)  # dropout draws RNG; warmup makes the scheduler matter
-    config["data"].update(seq_len=64, batch_size=2, max_records=6)  # 3 batches an epoch
+    config["data"].update(seq_len=64, batch_size=2, max_records=6, num_workers=num_workers)  # 3 batches an epoch
+    callback = {
+        "class_path": "poros_lightning.checkpoint.PorosCheckpoint",
+        "init_args": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_steps": 1},
+    }
     config["trainer"].update(
         strategy="poros",
         max_steps=MAX_STEPS,
@@ -42,21 +49,16 @@ def _config(tmp_path: Path, name: str) -> Path:
         logger=False,
         enable_checkpointing=False,
         default_root_dir=str(tmp_path / name),
-        callbacks=[
-            {
-                "class_path": "poros_lightning.checkpoint.PorosCheckpoint",
-                "init_args": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_steps": 1, "resume": True},
-            }
-        ],
+        callbacks=[callback] if checkpoint else [],
     )
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def _start(config: Path, cwd: Path) -> subprocess.Popen:
+def _start(config: Path, cwd: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "poros_lightning.cli", "fit", "--config", str(config)]
+    cmd = [sys.executable, "-m", "poros_lightning.cli", "fit", "--config", str(config), *args]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -82,10 +84,13 @@ def test_sigkilled_cli_run_resumes_bit_identically(tmp_path: Path) -> None:
     crashed.wait()
     killed_at = _latest_step(ckpt)
     assert crashed.returncode == -signal.SIGKILL and kill_after <= killed_at < MAX_STEPS, (killed_at, crashed.stderr)
-    _finish(_start(_config(tmp_path, "crash"), tmp_path))  # same config: resume=True picks up `latest`
+    _finish(_start(_config(tmp_path, "crash"), tmp_path, "--resume", str(ckpt)))  # picks up `latest`
     _finish(reference)
+    _assert_same_state(tmp_path / "ref" / "ckpt" / f"step-{MAX_STEPS}", ckpt / f"step-{MAX_STEPS}")
 
-    ref, got = tmp_path / "ref" / "ckpt" / f"step-{MAX_STEPS}", ckpt / f"step-{MAX_STEPS}"
+
+def _assert_same_state(ref: Path, got: Path) -> None:
+    """Adapter, optimizer, RNG and scheduler state and the data position are bitwise those of ``ref``."""
     for name in ("adapter.safetensors", "optimizer.safetensors", "rng.safetensors"):
         a, b = load_file(str(ref / name)), load_file(str(got / name))
         assert a.keys() == b.keys() and a
@@ -94,6 +99,24 @@ def test_sigkilled_cli_run_resumes_bit_identically(tmp_path: Path) -> None:
         assert (ref / name).read_text() == (got / name).read_text(), name
     position = ("global_step", "epoch", "batches_in_epoch")
     assert [load_checkpoint(got).meta[k] for k in position] == [load_checkpoint(ref).meta[k] for k in position]
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter", "ignore:.*does not have many workers")
+@pytest.mark.parametrize("stop_at", [2, 4], ids=["mid-epoch-0", "mid-epoch-1"])
+def test_resume_auto_with_loader_workers_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int
+) -> None:
+    # Validation after batch 2 of each epoch: its persistent workers are seeded once per run, by the first validation.
+    validate = ["--trainer.limit_val_batches=1", "--trainer.val_check_interval=2"]
+    # Without a PorosCheckpoint in the config, --resume auto adds one writing ./checkpoints every 100 steps: the
+    # checkpoint at `stop_at` is the one written when training ends (Note: [end of training]).
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(_config(tmp_path, "ref", num_workers=2)), *validate]) == 0  # uninterrupted
+    run = str(_config(tmp_path, "run", checkpoint=False, num_workers=2))
+    assert main(["fit", "--config", run, *validate, f"--trainer.max_steps={stop_at}", "--resume", "auto"]) == 0
+    assert _latest_step(tmp_path / "checkpoints") == stop_at  # nothing to resume from: it started fresh
+    assert main(["fit", "--config", run, *validate, "--resume", "auto"]) == 0
+    _assert_same_state(tmp_path / "ref" / "ckpt" / f"step-{MAX_STEPS}", tmp_path / "checkpoints" / f"step-{MAX_STEPS}")
 
 
 # ------------------------------------------------------------------------------------------------ atomicity

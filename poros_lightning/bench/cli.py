@@ -12,7 +12,20 @@ from poros_lightning.errors import PorosConfigError
 
 __all__ = ["main", "load_bench_config", "run_bench"]
 
-_KEYS = {"model", "model_config", "scale", "seq_lens", "lora_r", "batch_size", "steps", "warmup", "runs", "out"}
+_KEYS = {
+    "model",
+    "model_config",
+    "scale",
+    "seq_lens",
+    "lora_r",
+    "batch_size",
+    "steps",
+    "warmup",
+    "runs",
+    "out",
+    "build",
+}
+_BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
 
 def load_bench_config(path: str | Path) -> dict[str, Any]:
@@ -28,6 +41,11 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
         )
     if not cfg.get("runs"):
         raise PorosConfigError(f"{path} lists no runs.", "Add `runs: [{method: poros}, {method: resident_gc}]`.")
+    if cfg.get("build", "auto") not in _BUILDS:
+        raise PorosConfigError(
+            f"Unknown build {cfg['build']!r} in {path}.",
+            "Use build: auto (blockwise when bf16 weights would not fit), direct or blockwise.",
+        )
     return cfg
 
 
@@ -55,6 +73,7 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
             lora_r=int(cfg.get("lora_r", 16)),
             steps=int(cfg.get("steps", 10)),
             warmup=int(cfg.get("warmup", 3)),
+            blockwise=_BUILDS[cfg.get("build", "auto")],
         ):
             full = {
                 "model": f"{cfg.get('model', config.get('model_type'))} (random init)",
@@ -63,7 +82,9 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
                 **row,
                 **versions(),
             }
-            print({k: full.get(k) for k in ("scale", "seq_len", "method", "s_per_step", "peak_vram_gb", "h2d_gbps")})
+            print(
+                {k: full.get(k) for k in ("scale", "seq_len", "method", "s_per_step", "peak_vram_gb", "h2d_copy_gbps")}
+            )
             rows.append(full)
             if out is not None:
                 write_jsonl([full], out)
@@ -98,3 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(rows))
     print(f"\nwrote {args.output}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -46,8 +46,12 @@ def _host_rss() -> float:
 
 
 def _step_loop(
-    model: torch.nn.Module, batches: list[torch.Tensor], warmup: int, vocab: int, device: str
+    model: torch.nn.Module, batches: list[torch.Tensor], warmup: int, vocab: int, device: str, ring: Any = None
 ) -> list[float]:
+    """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
+
+    With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     times = []
@@ -55,6 +59,8 @@ def _step_loop(
         ids = ids.to(device, non_blocking=True)
         if device == "cuda":
             torch.cuda.synchronize()
+        if ring is not None and i == warmup:
+            ring.time_copies()
         t = time.perf_counter()
         logits = model(input_ids=ids, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
@@ -81,6 +87,7 @@ def bench_methods(
     steps: int = 10,
     warmup: int = 3,
     quantization: str = "nf4-dq",
+    blockwise: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Build the model once and time each run of ``runs`` on it, in order.
 
@@ -88,12 +95,13 @@ def bench_methods(
     for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``embeddings_on_host``) and an
     optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
     card; a run that does not fit is recorded with ``"oom": true``). Between runs the adapter is reset
-    and the model returns to resident, so every method trains the same bytes.
+    and the model returns to resident, so every method trains the same bytes. ``blockwise``: see
+    :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.api import engine_of, prepare, unprepare
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization)
+    model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization, blockwise=blockwise)
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
@@ -137,7 +145,7 @@ def bench_methods(
         engine = engine_of(model)
         loads0 = engine.ring.loads if engine is not None else 0
         try:
-            times = _step_loop(model, batches, warmup, vocab, device)
+            times = _step_loop(model, batches, warmup, vocab, device, engine.ring if engine is not None else None)
             s_per_step = sum(times) / len(times)
             row.update(
                 oom=False,
@@ -150,6 +158,7 @@ def bench_methods(
             )
             if engine is not None:
                 copies = engine.ring.loads - loads0
+                timed = engine.ring.copy_stats()
                 row.update(
                     num_blocks=engine.num_blocks,
                     block_mb=engine.store.max_block_bytes / 1e6,
@@ -157,6 +166,8 @@ def bench_methods(
                     pinned=engine.store.pinned,
                     loads_per_step=copies / (warmup + steps),
                     h2d_gbps=copies / (warmup + steps) * engine.store.max_block_bytes / s_per_step / 1e9,
+                    h2d_copy_gbps=timed["gbps"],
+                    copy_busy_fraction=timed["seconds"] / sum(times),
                 )
         except torch.OutOfMemoryError:
             row.update(oom=True, s_per_step=None, peak_vram_gb=None)

@@ -20,7 +20,8 @@ _COLUMNS = (
     ("tokens_per_s", "tokens/s"),
     ("peak_vram_gb", "peak VRAM GB"),
     ("host_rss_gb", "host RSS GB"),
-    ("h2d_gbps", "H2D GB/s"),
+    ("h2d_gbps", "H2D GB/s (step avg)"),
+    ("h2d_copy_gbps", "H2D GB/s (while copying)"),
 )
 
 

@@ -59,6 +59,7 @@ class SlotRing:
         self.use_streams = use_streams and device.type == "cuda"
         self.loads = 0  # copies issued; tests and benchmarks read it
         self.fault: str | None = None  # "wrong_slot": negative control for the parity tests only
+        self.timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # see time_copies()
         nbytes = store.max_block_bytes
         total = self.resident + (num_slots if self.num_blocks > self.resident else 0)
         try:
@@ -94,8 +95,15 @@ class SlotRing:
             # Everything enqueued on the compute stream so far includes the last use of this slot.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
+                if self.timed is not None:
+                    begin = torch.cuda.Event(enable_timing=True)
+                    begin.record(self.copy_stream)
                 self.slots[slot][:n].copy_(arena[:n], non_blocking=True)
                 self.ready[slot].record(self.copy_stream)
+                if self.timed is not None:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record(self.copy_stream)
+                    self.timed.append((begin, end, n))
             self.waited[slot] = False
         else:
             self.slots[slot][:n].copy_(arena[:n])
@@ -130,6 +138,22 @@ class SlotRing:
             nxt = block + step * k
             if 0 <= nxt < self.num_blocks and self.holds[self.slot_of(nxt)] != nxt:
                 self._load(nxt, backward)
+
+    def time_copies(self, enable: bool = True) -> None:
+        """Start (or stop) timing every copy with CUDA events on the copy stream; see :meth:`copy_stats`."""
+        self.timed = [] if enable and self.use_streams else None
+
+    def copy_stats(self) -> dict[str, float]:
+        """Bytes copied and seconds the copy stream spent copying since :meth:`time_copies` (synchronizes).
+
+        ``gbps`` is the bandwidth the copies achieved while they ran (bytes / summed copy time, 1e9 bytes).
+        """
+        if not self.timed:
+            return {"copies": 0, "bytes": 0, "seconds": 0.0, "gbps": 0.0}
+        self.timed[-1][1].synchronize()
+        seconds = sum(begin.elapsed_time(end) for begin, end, _ in self.timed) / 1e3
+        nbytes = sum(n for _, _, n in self.timed)
+        return {"copies": len(self.timed), "bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9}
 
     def release(self) -> None:
         """Wait for pending copies and free the slots."""

@@ -19,7 +19,20 @@ from poros_lightning.errors import PorosConfigError
 __all__ = ["main", "load_parity_config"]
 
 MODES = ("plain", "dropout", "accum", "compile")
-_KEYS = {"model", "model_config", "scale", "steps", "modes", "block_sizes", "seq_len", "lora_r", "batch_size", "out"}
+_KEYS = {
+    "model",
+    "model_config",
+    "scale",
+    "steps",
+    "modes",
+    "block_sizes",
+    "seq_len",
+    "lora_r",
+    "batch_size",
+    "out",
+    "build",
+}
+BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
 
 def load_parity_config(path: str | Path) -> dict[str, Any]:
@@ -38,6 +51,11 @@ def load_parity_config(path: str | Path) -> dict[str, Any]:
     bad = [m for m in raw.get("modes", ["plain"]) if m not in MODES]
     if bad:
         raise PorosConfigError(f"Unknown parity modes {bad} in {path}.", f"Use modes from {', '.join(MODES)}.")
+    if raw.get("build", "auto") not in BUILDS:
+        raise PorosConfigError(
+            f"Unknown build {raw['build']!r} in {path}.",
+            "Use build: auto (blockwise when bf16 weights would not fit), direct or blockwise.",
+        )
     return raw
 
 
@@ -81,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
                 batch_size=int(cfg.get("batch_size", 1)),
                 lora_r=int(cfg.get("lora_r", 16)),
                 out=out,
+                blockwise=BUILDS[cfg.get("build", "auto")],
             )
             verdict = "EQUAL" if result.equal else f"MISMATCH at {result.first_mismatch}"
             surfaces = " ".join(f"{k}={'ok' if v else 'DIFF'}" for k, v in result.surfaces.items())
             print(f"{name} mode={mode} block_size={block_size} steps={steps}: {verdict} ({surfaces})", flush=True)
             ok &= result.equal
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

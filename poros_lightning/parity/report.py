@@ -1,6 +1,6 @@
 """The parity table of docs/parity.md, generated from the JSONL summaries under docs/validation/.
 
-    python -m poros_lightning.parity.report docs/validation/*.jsonl
+python -m poros_lightning.parity.report docs/validation/*.jsonl
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ def load_summaries(paths: list[str | Path]) -> list[dict[str, Any]]:
 
 
 def parity_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table: one row per gate, one column per surface."""
+    """A Markdown table: one row per single-device gate, one column per surface (data-parallel runs are skipped)."""
     head = ["model", "scale", "mode", "block size", "steps", "seq", *SURFACES, "GPU", "torch", "file"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        if "mode" not in r:  # a data-parallel gate (docs/multi-gpu.md)
+            continue
         marks = ["equal" if r["surfaces"].get(s) else "**DIFFERENT**" for s in SURFACES]
         cells = [r["model"], r.get("scale", ""), r["mode"], r["block_size"], r["steps"], r.get("seq_len", "")]
         cells += [*marks, r.get("gpu", ""), r.get("torch", ""), r["source"]]

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from poros_lightning.parity.build import build_peft_model
+from poros_lightning.quant.loader import load_report
 
 __all__ = ["ParityModule", "ParityResult", "Recorder", "compare", "run_arm", "run_parity"]
 
@@ -159,7 +160,7 @@ def compare(ref: Recorder, got: Recorder) -> ParityResult:
         if len(a_list) != len(b_list):
             surfaces[surface] = False
             note(None, surface, None, False)
-        for step, (a, b) in enumerate(zip(a_list, b_list)):
+        for step, (a, b) in enumerate(zip(a_list, b_list, strict=False)):
             eq = torch.equal(a, b)
             surfaces[surface] &= eq
             note(step, surface, None, eq, a, b)
@@ -214,11 +215,13 @@ def run_parity(
     accumulate: int | None = None,
     out: str | Path | None = None,
     prefetch: int = 1,
+    blockwise: bool | None = None,
 ) -> ParityResult:
     """Run both arms of a gate and (optionally) append the JSONL rows and summary to ``out``.
 
     ``mode``: ``"plain"`` (no dropout), ``"dropout"`` (LoRA dropout 0.1), ``"accum"`` (gradient
-    accumulation 2 with dropout), ``"compile"`` (both arms under ``torch.compile``).
+    accumulation 2 with dropout), ``"compile"`` (both arms under ``torch.compile``). ``blockwise``:
+    see :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.strategy import PorosStrategy
 
@@ -232,10 +235,12 @@ def run_parity(
     # One model serves both arms: the reference trains it resident, then its adapter is reset to the
     # initial values and the streamed arm trains it again. The base bytes are the same by construction.
     cache: dict[str, Any] = {}
+    built: dict[str, str] = {}
 
     def build() -> torch.nn.Module:
         if "net" not in cache:
-            net = build_peft_model(config, device=device, lora_r=lora_r, lora_dropout=dropout)
+            net = build_peft_model(config, device=device, lora_r=lora_r, lora_dropout=dropout, blockwise=blockwise)
+            built["how"] = "blockwise" if load_report(net.get_base_model()) is not None else "direct"
             cache["net"] = net
             cache["init"] = {n: p.detach().cpu().clone() for n, p in net.named_parameters() if p.requires_grad}
             return net
@@ -277,6 +282,7 @@ def run_parity(
             "lora_r": lora_r,
             "lora_dropout": dropout,
             "accumulate": accum,
+            "build": built.get("how"),
             "surfaces": result.surfaces,
             "equal": result.equal,
             "first_mismatch": result.first_mismatch,

@@ -7,7 +7,7 @@ line: the export's own ``ExportResult`` plus the peak RSS of a process that only
 
 Usage (the command is recorded in each line):
 
-    python docs/benchmarks/export_bench.py Qwen/Qwen2.5-7B --workdir /tmp/export-bench >> docs/benchmarks/export.jsonl
+    python -m poros_lightning.bench.export_bench Qwen/Qwen2.5-7B --workdir /tmp/export-bench >> docs/benchmarks/export.jsonl
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # the checkout, installed or not
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the measured child process imports from it
 
 
 def _write_base(hub_id: str, path: Path, shard_bytes: int = 2 * 10**9) -> None:
@@ -174,7 +173,7 @@ def main() -> None:
         "cpu": _cpu_name(),
         "torch": torch.__version__,
         "bitsandbytes": version("bitsandbytes"),
-        "command": "python docs/benchmarks/export_bench.py " + " ".join(sys.argv[1:]),
+        "command": "python -m poros_lightning.bench.export_bench " + " ".join(sys.argv[1:]),
     }
     if args.verify:
         record["verify"] = _verify(base, adapter, out)
