@@ -84,6 +84,8 @@ class LoRALightningModule(L.LightningModule):
         seed: when set, ``seed_everything(seed)`` runs first, so base init (for ``model_config``) and LoRA init
             are reproducible without an outer seed.
         allow_unlisted_arch: build a ``model_type`` the architecture registry does not list.
+        compile_layers: ``torch.compile`` each decoder layer (see :func:`poros_lightning.compiling.compile_layers`;
+            streamed and resident runs stay bit-identical; the first steps include compilation).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class LoRALightningModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         seed: int | None = None,
         allow_unlisted_arch: bool = False,
+        compile_layers: bool = False,
     ) -> None:
         super().__init__()
         if seed is not None:
@@ -129,6 +132,10 @@ class LoRALightningModule(L.LightningModule):
         )
         self.model = self._apply_lora(base, target_modules, allow_unlisted_arch)
         self.model.train()
+        if compile_layers:
+            from poros_lightning.compiling import compile_layers as compile_each_layer
+
+            compile_each_layer(self.model)
         # Checkpoints hold the adapter only; the frozen base is rebuilt from `model` / `model_config`.
         self.strict_loading = False
 

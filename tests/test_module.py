@@ -210,3 +210,18 @@ def test_non_finite_loss_stops_training_with_a_hint(tmp_path, monkeypatch) -> No
     )
     with pytest.raises(NonFiniteLossError, match="HINT: Lower model.learning_rate"):
         trainer(tmp_path, max_steps=2).fit(module, random_batches())
+
+
+def test_compiled_layers_stream_bit_identically(tmp_path) -> None:
+    """compile_layers=True: each decoder layer compiled; streamed training equals resident, dropout masks too."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    adapters = {}
+    for name, strategy in (("resident", SingleDeviceStrategy("cpu")), ("poros", "poros")):
+        module = make_module(compile_layers=True, lora_dropout=0.1)
+        layers = module.model.get_base_model().model.layers
+        assert all(getattr(layer, "_poros_compiled", False) for layer in layers)
+        trainer(tmp_path, max_steps=2, strategy=strategy).fit(module, random_batches(n=4))
+        adapters[name] = adapter_tensors(module)
+    assert adapters["resident"].keys() == adapters["poros"].keys()
+    assert all(torch.equal(adapters["resident"][k], adapters["poros"][k]) for k in adapters["resident"])

@@ -21,6 +21,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from poros_lightning.compiling import compile_layers
 from poros_lightning.parity.build import build_peft_model
 from poros_lightning.quant.loader import load_report
 
@@ -101,25 +102,6 @@ def token_batches(vocab: int, seq_len: int, batch_size: int, n: int, seed: int =
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, vocab, (n * batch_size, seq_len), generator=gen)
     return DataLoader(data, batch_size=batch_size, shuffle=False)
-
-
-def compile_layers(net: torch.nn.Module) -> None:
-    """``torch.compile`` the forward of every decoder layer in place (once; later calls keep it).
-
-    Note: [compile mode]
-        Both arms compile the same regions: each decoder layer's own forward. Compiling the whole model
-        instead lets inductor fuse across layer boundaries (a residual add with the next layer's norm,
-        keeping fp32 intermediates unrounded), so a model whose layers run one at a time (streamed,
-        checkpointed) gets other kernels and other bytes than one compiled whole. The streamed arm's
-        engine then wraps the compiled forward like any other, and the recompute calls it again.
-    """
-    from poros_lightning.arch import arch_for_model, resolve
-
-    base = net.get_base_model() if callable(getattr(net, "get_base_model", None)) else net
-    for layer in resolve(base, arch_for_model(base).layers):
-        if not getattr(layer, "_poros_compiled", False):
-            layer.forward = torch.compile(layer.forward)
-            layer._poros_compiled = True
 
 
 def run_arm(
@@ -239,7 +221,8 @@ def run_parity(
     """Run both arms of a gate and (optionally) append the JSONL rows and summary to ``out``.
 
     ``mode``: ``"plain"`` (no dropout), ``"dropout"`` (LoRA dropout 0.1), ``"accum"`` (gradient
-    accumulation 2 with dropout), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms, Note: [compile mode]). ``blockwise``:
+    accumulation 2 with dropout), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
+    :mod:`poros_lightning.compiling`). ``blockwise``:
     see :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.strategy import PorosStrategy
