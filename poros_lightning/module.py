@@ -25,6 +25,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from poros_lightning.engine.microbatch import micro_batch_mean, micro_batches_of
 from poros_lightning.errors import NonFiniteLossError, PorosConfigError, PorosError, ResumeMismatchError
 from poros_lightning.models import load_base_model
 
@@ -207,7 +208,11 @@ class LoRALightningModule(L.LightningModule):
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        loss = causal_lm_loss(self(batch), batch["labels"])
+        k = micro_batches_of(self.model)
+        if k > 1:  # block-major micro-batches (PorosStrategy(micro_batches=k)): one loss per micro-batch
+            loss, _ = micro_batch_mean(causal_lm_loss, k, self(batch), batch["labels"])
+        else:
+            loss = causal_lm_loss(self(batch), batch["labels"])
         self.log(
             "train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch["input_ids"].shape[0]
         )

@@ -76,6 +76,12 @@ class PorosStrategy(SingleDeviceStrategy):
             the smallest budget that would fit when nothing does. Overrides those two options.
         seq_len: sequence length the budget is planned for; by default the datamodule's ``seq_len``.
         allow_unlisted_arch: stream an architecture missing from the registry, as experimental.
+        micro_batches: ``k > 1`` runs each batch as ``k`` micro-batches *block-major*: every micro-batch
+            passes through a block before the next block is loaded, so the base is copied once per
+            step instead of ``k`` times. Bit-identical to ``accumulate_grad_batches=k`` with batches
+            ``k`` times smaller when the module computes its loss per micro-batch
+            (``LoRALightningModule`` does; see :func:`poros_lightning.engine.microbatch.micro_batch_mean`)
+            and nothing draws random numbers (LoRA dropout 0): dropout is refused, naming the fix.
     """
 
     strategy_name = "poros"
@@ -94,10 +100,18 @@ class PorosStrategy(SingleDeviceStrategy):
         vram_budget: str | int | None = None,
         seq_len: int | None = None,
         allow_unlisted_arch: bool = False,
+        micro_batches: int = 1,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise PorosConfigError(
+                f"micro_batches must be a positive integer, got {micro_batches!r}.",
+                "Use micro_batches=1 (off) or k >= 2 micro-batches per batch.",
+            )
+        self.micro_batches = micro_batches
+        self.splitters: list[Any] = []
         self.quantization = quant.check_quantization(quantization)
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise PorosConfigError(
@@ -170,12 +184,43 @@ class PorosStrategy(SingleDeviceStrategy):
             warnings.warn(why, stacklevel=2)
         for peft_model in self._peft_models():
             if not is_prepared(peft_model):
+                if self.micro_batches > 1:
+                    self._split_micro_batches(peft_model)  # inside the engine's wrapper: one load for all
                 prepare(peft_model, device=device, **{**self.engine_kwargs, **self._plan(peft_model)})
         # Everything else the LightningModule holds (metrics, extra heads) is small and resident.
         move_resident(self.model, device)
         for module in self.model.modules():
             if hasattr(module, "_device"):
                 module._device = device  # Lightning's and torchmetrics' device bookkeeping
+
+    def _split_micro_batches(self, peft_model: nn.Module) -> None:
+        """Install block-major micro-batches on ``peft_model`` (Note: [ordered gradient sum] in engine.microbatch)."""
+        from poros_lightning.arch import arch_for_model, resolve
+        from poros_lightning.engine.microbatch import MicroBatches
+        from poros_lightning.strategy_ddp import dropout_sources
+
+        sources = dropout_sources(peft_model)
+        if sources:
+            raise PorosConfigError(
+                f"PorosStrategy(micro_batches={self.micro_batches}) runs micro-batches block-major, which draws "
+                f"random numbers in another order than one micro-batch after the other; this model draws them in "
+                f"{', '.join(sources[:3])}.",
+                "Set the LoRA dropout (and any other dropout) to 0, or use micro_batches=1 with "
+                "Trainer(accumulate_grad_batches=k) for an exact run with dropout.",
+            )
+        base = peft_model.get_base_model()
+        spec = arch_for_model(base, allow_unlisted=self.engine_kwargs["allow_unlisted_arch"])
+        modules = [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)]
+        splitter = MicroBatches(base, modules, self.micro_batches)
+        splitter.install()
+        self.splitters.append(splitter)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        for splitter in self.splitters:
+            splitter.accumulate()  # Note: [ordered gradient sum]
+        return closure_loss
 
     def _plan(self, peft_model: nn.Module) -> dict[str, Any]:
         """Engine options for ``vram_budget`` (empty when no budget is set)."""
@@ -221,6 +266,9 @@ class PorosStrategy(SingleDeviceStrategy):
             for peft_model in find_peft_models(self.model):
                 if is_prepared(peft_model):
                     unprepare(peft_model, device="cpu")
+        for splitter in self.splitters:
+            splitter.uninstall()
+        self.splitters = []
         super().teardown()
 
     @classmethod

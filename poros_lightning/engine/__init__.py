@@ -4,6 +4,7 @@
 - :mod:`~poros_lightning.engine.slots`: the device slot ring, copy stream, prefetch.
 - :mod:`~poros_lightning.engine.block`: graph-preserving recompute of each streamed layer.
 - :mod:`~poros_lightning.engine.engine`: :class:`StreamingEngine`, which ties them to a list of layers.
+- :mod:`~poros_lightning.engine.microbatch`: block-major micro-batches (each block once for all of them).
 """
 
 from poros_lightning.engine.block import LayerStreamer

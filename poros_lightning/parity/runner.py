@@ -22,12 +22,19 @@ import torch
 from torch.utils.data import DataLoader
 
 from poros_lightning.compiling import compile_layers
+from poros_lightning.engine.microbatch import micro_batch_mean, micro_batches_of
 from poros_lightning.parity.build import build_peft_model
 from poros_lightning.quant.loader import load_report
 
 __all__ = ["ParityModule", "ParityResult", "Recorder", "compare", "run_arm", "run_parity"]
 
 SURFACES = ("loss", "grad_norm", "adapter", "optimizer")
+
+
+def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``ids`` under ``logits``, in float32."""
+    vocab = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
 
 
 class ParityModule(L.LightningModule):
@@ -40,8 +47,12 @@ class ParityModule(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.net(input_ids=batch, use_cache=False).logits
-        vocab = logits.shape[-1]
-        return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        k = micro_batches_of(self.net)
+        if k > 1:  # block-major: one loss per micro-batch, each divided by k as accumulation does
+            total, terms = micro_batch_mean(token_loss, k, logits, batch)
+            self.micro_losses = [t.detach() for t in terms]
+            return total
+        return token_loss(logits, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
@@ -62,7 +73,11 @@ class Recorder(L.Callback):
         self._t = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, idx: int):
-        self.loss.append(outputs["loss"].detach().cpu())
+        micro = getattr(module, "micro_losses", None)  # block-major: the k micro-batch losses, as accumulation logs
+        if micro:
+            self.loss.extend(t.cpu() for t in micro)
+        else:
+            self.loss.append(outputs["loss"].detach().cpu())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.seconds.append(time.perf_counter() - self._t)
@@ -221,14 +236,15 @@ def run_parity(
     """Run both arms of a gate and (optionally) append the JSONL rows and summary to ``out``.
 
     ``mode``: ``"plain"`` (no dropout), ``"dropout"`` (LoRA dropout 0.1), ``"accum"`` (gradient
-    accumulation 2 with dropout), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
+    accumulation 2 with dropout), ``"block_major"`` (the reference accumulates 3 micro-batches; the
+    streamed arm runs them block-major, ``PorosStrategy(micro_batches=3)``), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
     :mod:`poros_lightning.compiling`). ``blockwise``:
     see :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.strategy import PorosStrategy
 
     dropout = lora_dropout if lora_dropout is not None else (0.1 if mode in ("dropout", "accum") else 0.0)
-    accum = accumulate if accumulate is not None else (2 if mode == "accum" else 1)
+    accum = accumulate if accumulate is not None else (2 if mode == "accum" else 3 if mode == "block_major" else 1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
@@ -255,17 +271,19 @@ def run_parity(
         return net
 
     data = token_batches(config["vocab_size"], seq_len, batch_size, steps * accum)
+    block_major = mode == "block_major"  # streamed arm: one batch of accum micro-batches, split block-major
+    streamed_data = DataLoader(data.dataset, batch_size=batch_size * accum, shuffle=False) if block_major else data
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     t0 = time.perf_counter()
     ref = run_arm(SingleDeviceStrategy(device), build, data, steps=steps, accumulate=accum, compile=mode == "compile")
     t1 = time.perf_counter()
     got = run_arm(
-        PorosStrategy(block_size=block_size, prefetch=prefetch),
+        PorosStrategy(block_size=block_size, prefetch=prefetch, micro_batches=accum if block_major else 1),
         build,
-        data,
+        streamed_data,
         steps=steps,
-        accumulate=accum,
+        accumulate=1 if block_major else accum,
         compile=mode == "compile",
     )
     cache.clear()
