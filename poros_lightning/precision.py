@@ -7,7 +7,7 @@ bitsandbytes run would compute with are the bytes the streamed run computes with
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from poros_lightning import quant
 from poros_lightning.errors import PorosConfigError
+from poros_lightning.optim_state import HostOptimizerState
 
 __all__ = ["PorosPrecision", "find_peft_models"]
 
@@ -44,9 +45,13 @@ class PorosPrecision(Precision):
         quantization: base quantization when the module's base is not quantized yet: ``"nf4-dq"``,
             ``"nf4"``, ``"fp4"`` or ``"none"`` (stream the bf16 base). A base already quantized by
             bitsandbytes is streamed as it is.
+        optimizer_on_host: keep the optimizer's per-parameter state in host memory between steps
+            (:class:`~poros_lightning.optim_state.HostOptimizerState`; exact, Note: [when the state moves]).
     """
 
-    def __init__(self, precision: str = "32-true", quantization: str = "nf4-dq") -> None:
+    def __init__(
+        self, precision: str = "32-true", quantization: str = "nf4-dq", optimizer_on_host: bool = False
+    ) -> None:
         if precision not in _DTYPES:
             raise PorosConfigError(
                 f"PorosStrategy does not support precision={precision!r}.",
@@ -54,6 +59,8 @@ class PorosPrecision(Precision):
             )
         self.precision = precision  # type: ignore[assignment]
         self.quantization = quant.check_quantization(quantization)
+        self.optimizer_on_host = optimizer_on_host
+        self._host_states: dict[int, HostOptimizerState] = {}
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -69,6 +76,22 @@ class PorosPrecision(Precision):
         if self.precision == "bf16-true":
             _cast_unquantized(module, torch.bfloat16)
         return module
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if not self.optimizer_on_host:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
+        host = self._host_states.setdefault(id(inner), HostOptimizerState(inner))
+
+        def closure_then_state() -> Any:
+            result = closure()  # forward and backward run without the state on the device
+            host.to_device()
+            return result
+
+        result = super().optimizer_step(optimizer, model, closure_then_state, **kwargs)
+        host.to_host()
+        return result
 
     @override
     def tensor_init_context(self) -> contextlib.AbstractContextManager:

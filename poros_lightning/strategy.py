@@ -30,8 +30,9 @@ __all__ = ["PorosStrategy"]
 log = logging.getLogger(__name__)
 
 
-def _to_poros_precision(plugin: Precision, quantization: str) -> PorosPrecision:
+def _to_poros_precision(plugin: Precision, quantization: str, optimizer_on_host: bool = False) -> PorosPrecision:
     if isinstance(plugin, PorosPrecision):
+        plugin.optimizer_on_host = plugin.optimizer_on_host or optimizer_on_host
         return plugin
     name = type(plugin).__name__
     if name == "BitsandbytesPrecision":
@@ -40,7 +41,7 @@ def _to_poros_precision(plugin: Precision, quantization: str) -> PorosPrecision:
             "Drop the plugin and set the mode with PorosStrategy(quantization='nf4-dq').",
         )
     flag = getattr(plugin, "precision", "32-true")
-    return PorosPrecision(str(flag), quantization=quantization)
+    return PorosPrecision(str(flag), quantization=quantization, optimizer_on_host=optimizer_on_host)
 
 
 def nondeterminism(device: torch.device) -> str | None:
@@ -82,6 +83,8 @@ class PorosStrategy(SingleDeviceStrategy):
             ``k`` times smaller when the module computes its loss per micro-batch
             (``LoRALightningModule`` does; see :func:`poros_lightning.engine.microbatch.micro_batch_mean`)
             and nothing draws random numbers (LoRA dropout 0): dropout is refused, naming the fix.
+        optimizer_on_host: keep the optimizer state (AdamW's two moments, twice the adapter's size) in
+            host memory between steps; it is on the device only while the optimizer updates (exact).
     """
 
     strategy_name = "poros"
@@ -101,6 +104,7 @@ class PorosStrategy(SingleDeviceStrategy):
         seq_len: int | None = None,
         allow_unlisted_arch: bool = False,
         micro_batches: int = 1,
+        optimizer_on_host: bool = False,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
@@ -111,6 +115,7 @@ class PorosStrategy(SingleDeviceStrategy):
                 "Use micro_batches=1 (off) or k >= 2 micro-batches per batch.",
             )
         self.micro_batches = micro_batches
+        self.optimizer_on_host = optimizer_on_host
         self.splitters: list[Any] = []
         self.quantization = quant.check_quantization(quantization)
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -163,7 +168,8 @@ class PorosStrategy(SingleDeviceStrategy):
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
         quantization = getattr(self, "quantization", "nf4-dq")
-        self._precision_plugin = _to_poros_precision(plugin or Precision(), quantization)
+        on_host = getattr(self, "optimizer_on_host", False)
+        self._precision_plugin = _to_poros_precision(plugin or Precision(), quantization, on_host)
 
     def _peft_models(self) -> list[nn.Module]:
         assert self.model is not None

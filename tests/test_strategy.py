@@ -146,3 +146,13 @@ def test_vram_budget_too_small_names_the_minimum() -> None:
 
     with pytest.raises(PorosOOMError, match="vram_budget >= "):
         _fit(PorosStrategy(vram_budget=10_000, seq_len=16))
+
+
+def test_optimizer_state_on_host_between_steps(reference: Recorder) -> None:
+    """optimizer_on_host=True: same bytes, and between steps the moments live in the strategy's host buffers."""
+    strategy = PorosStrategy(optimizer_on_host=True)
+    _assert_equal(reference, _fit(strategy))
+    host = next(iter(strategy.precision_plugin._host_states.values()))
+    moved = [(p, k) for p, state in host.optimizer.state.items() for k in ("exp_avg", "exp_avg_sq")]
+    assert moved and all(host.optimizer.state[p][k] is host.buffers[(id(p), k)] for p, k in moved)
+    assert all(host.optimizer.state[p]["step"].dim() == 0 for p, _ in moved)  # scalars stay where they were

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from poros_lightning.optim_state import HostOptimizerState
 from poros_lightning.parity.build import build_peft_model
 
 __all__ = ["METHODS", "bench_methods", "measure_h2d", "write_jsonl"]
@@ -46,7 +47,13 @@ def _host_rss() -> float:
 
 
 def _step_loop(
-    model: torch.nn.Module, batches: list[torch.Tensor], warmup: int, vocab: int, device: str, ring: Any = None
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    warmup: int,
+    vocab: int,
+    device: str,
+    ring: Any = None,
+    optimizer_on_host: bool = False,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -54,6 +61,7 @@ def _step_loop(
     """
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
+    host = HostOptimizerState(opt) if optimizer_on_host else None
     times = []
     for i, ids in enumerate(batches):
         ids = ids.to(device, non_blocking=True)
@@ -66,7 +74,11 @@ def _step_loop(
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
         del logits
         loss.backward()
+        if host is not None:
+            host.to_device()
         opt.step()
+        if host is not None:
+            host.to_host()
         opt.zero_grad(set_to_none=True)
         del loss
         if device == "cuda":
@@ -92,7 +104,8 @@ def bench_methods(
     """Build the model once and time each run of ``runs`` on it, in order.
 
     Each run is a dict with ``method`` (one of :data:`METHODS`), an optional ``name``, engine options
-    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``embeddings_on_host``) and an
+    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``embeddings_on_host``), an optional
+    ``optimizer_on_host`` (AdamW state in host memory between steps, as ``PorosStrategy`` does) and an
     optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
     card; a run that does not fit is recorded with ``"oom": true``). Between runs the adapter is reset
     and the model returns to resident, so every method trains the same bytes. ``blockwise``: see
@@ -135,6 +148,7 @@ def bench_methods(
             "steps": steps,
             "warmup": warmup,
             **engine_opts,
+            "optimizer_on_host": bool(run.get("optimizer_on_host")),
         }
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -145,7 +159,10 @@ def bench_methods(
         engine = engine_of(model)
         loads0 = engine.ring.loads if engine is not None else 0
         try:
-            times = _step_loop(model, batches, warmup, vocab, device, engine.ring if engine is not None else None)
+            ring = engine.ring if engine is not None else None
+            times = _step_loop(
+                model, batches, warmup, vocab, device, ring, optimizer_on_host=bool(run.get("optimizer_on_host"))
+            )
             s_per_step = sum(times) / len(times)
             row.update(
                 oom=False,
