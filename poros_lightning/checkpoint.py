@@ -415,12 +415,17 @@ def run_identity(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "batch_size": getattr(data, "batch_size", None),
         "data_seed": getattr(data, "seed", None),
+        "micro_batches": getattr(trainer.strategy, "micro_batches", 1),
+        "compile_layers": bool(hparams.get("compile_layers", False)),
     }
     engine = dict(getattr(trainer.strategy, "engine_kwargs", {}))
     for peft_model in models:
         engine.update({k: str(v) for k, v in options_of(peft_model).items()})
     adapter = {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
     return {"exact": exact, "adapter": adapter, "engine": _jsonable(engine, "engine"), "versions": _versions()}
+
+
+_ADDED_LATER = {"micro_batches": 1, "compile_layers": False}  # what checkpoints written before these keys ran with
 
 
 def check_identity(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
@@ -432,7 +437,7 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any], path: Path) -
     diffs = [
         f"{key}: checkpoint {saved['exact'].get(key)!r}, this run {value!r}"
         for key, value in current["exact"].items()
-        if saved["exact"].get(key) != value
+        if saved["exact"].get(key, _ADDED_LATER.get(key)) != value
     ]
     old, new = saved["adapter"], current["adapter"]
     if old != new:

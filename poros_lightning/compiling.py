@@ -12,6 +12,8 @@ Note: [compile mode]
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -34,7 +36,8 @@ def compile_layers(model: nn.Module, **compile_kwargs: object) -> int:
     count = 0
     for layer in resolve(base, arch_for_model(base, allow_unlisted=True).layers):
         if not getattr(layer, _FLAG, False):
-            layer.forward = torch.compile(layer.forward, **compile_kwargs)
+            # Bound to the layer (not a closure over it): a deep copy of the model rebinds to the copy.
+            layer.forward = types.MethodType(torch.compile(type(layer).forward, **compile_kwargs), layer)
             setattr(layer, _FLAG, True)
             count += 1
     return count

@@ -25,7 +25,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from poros_lightning.engine.microbatch import micro_batch_mean, micro_batches_of
+from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
 from poros_lightning.errors import NonFiniteLossError, PorosConfigError, PorosError, ResumeMismatchError
 from poros_lightning.models import load_base_model
 
@@ -210,7 +210,8 @@ class LoRALightningModule(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         k = micro_batches_of(self.model)
         if k > 1:  # block-major micro-batches (PorosStrategy(micro_batches=k)): one loss per micro-batch
-            loss, _ = micro_batch_mean(causal_lm_loss, k, self(batch), batch["labels"])
+            sizes = micro_batch_sizes(self.model, batch["input_ids"].shape[0])
+            loss, _ = micro_batch_mean(causal_lm_loss, k, self(batch), batch["labels"], sizes=sizes)
         else:
             loss = causal_lm_loss(self(batch), batch["labels"])
         self.log(

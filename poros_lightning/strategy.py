@@ -189,6 +189,12 @@ class PorosStrategy(SingleDeviceStrategy):
         if (why := nondeterminism(device)) is not None:
             warnings.warn(why, stacklevel=2)
         for peft_model in self._peft_models():
+            if self.micro_batches > 1 and is_prepared(peft_model):
+                raise PorosConfigError(
+                    "PorosStrategy(micro_batches=...) splits the layers before preparing them, but this model is "
+                    "already prepared.",
+                    "Do not call prepare() yourself when the strategy streams the model, or use micro_batches=1.",
+                )
             if not is_prepared(peft_model):
                 if self.micro_batches > 1:
                     self._split_micro_batches(peft_model)  # inside the engine's wrapper: one load for all
@@ -215,18 +221,60 @@ class PorosStrategy(SingleDeviceStrategy):
                 "Trainer(accumulate_grad_batches=k) for an exact run with dropout.",
             )
         base = peft_model.get_base_model()
+        text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        if getattr(text, "num_kv_shared_layers", 0):
+            raise PorosConfigError(
+                f"This {base.config.model_type} model shares keys and values between layers "
+                f"(num_kv_shared_layers={text.num_kv_shared_layers}); micro-batches run block-major would read "
+                "one another's.",
+                "Use micro_batches=1 with Trainer(accumulate_grad_batches=k), which is exact for this model.",
+            )
+        micro_size = self._check_block_major_data(getattr(self.lightning_module, "_trainer", None))
         spec = arch_for_model(base, allow_unlisted=self.engine_kwargs["allow_unlisted_arch"])
         modules = [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)]
         splitter = MicroBatches(base, modules, self.micro_batches)
+        splitter.micro_size = micro_size
         splitter.install()
         self.splitters.append(splitter)
 
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        for splitter in self.splitters:
-            splitter.accumulate()  # Note: [ordered gradient sum]
-        return closure_loss
+    def _check_block_major_data(self, trainer: Any) -> int | None:
+        """Refuse data whose micro-batches would not keep their own shapes; warn where scaling rounds differently.
+
+        Returns the rows per micro-batch when the datamodule says (else the first training batch sets it).
+        """
+        data = getattr(trainer, "datamodule", None) if trainer is not None else None
+        micro_size = None
+        if data is not None and hasattr(data, "packing") and hasattr(data, "pad_to_multiple_of"):
+            fixed = data.packing or (data.pad_to_multiple_of and data.pad_to_multiple_of >= data.seq_len)
+            if not fixed:
+                raise PorosConfigError(
+                    f"PorosStrategy(micro_batches={self.micro_batches}) needs every batch padded to one length: "
+                    "a batch padded to its longest row gives each micro-batch another length than it has alone.",
+                    f"Set data.pad_to_multiple_of: {data.seq_len} (or data.packing: true), or use micro_batches=1.",
+                )
+            if data.batch_size % self.micro_batches:
+                raise PorosConfigError(
+                    f"data.batch_size={data.batch_size} is not a multiple of micro_batches={self.micro_batches}.",
+                    f"Set data.batch_size to micro-batch size x {self.micro_batches}.",
+                )
+            micro_size = data.batch_size // self.micro_batches
+        m = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+        one = torch.tensor(1.0)
+        if m > 1 and not torch.equal(one / m / self.micro_batches, one / (m * self.micro_batches)):
+            warnings.warn(
+                f"micro_batches={self.micro_batches} with accumulate_grad_batches={m} scales the gradients by "
+                f"(1/{m})/{self.micro_batches}, which rounds differently from 1/{m * self.micro_batches}: not "
+                f"bit-identical to accumulate_grad_batches={m * self.micro_batches}. Powers of two are exact.",
+                stacklevel=2,
+            )
+        return micro_size
+
+    def _planned_batch(self, trainer: Any) -> int:
+        """Rows the planner budgets for: 1 per step, or the whole block-major batch (validation runs it unsplit)."""
+        if self.micro_batches == 1:
+            return 1
+        batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
+        return batch_size if isinstance(batch_size, int) and batch_size > 0 else self.micro_batches
 
     def _plan(self, peft_model: nn.Module) -> dict[str, Any]:
         """Engine options for ``vram_budget`` (empty when no budget is set)."""
@@ -246,7 +294,16 @@ class PorosStrategy(SingleDeviceStrategy):
         config = peft_model.get_base_model().config.to_dict()
         lora = next(iter(peft_model.peft_config.values()))
         plan = plan_engine(
-            config, self.vram_budget, seq_len=seq_len, lora_r=int(lora.r), quantization=self.quantization
+            config,
+            self.vram_budget,
+            seq_len=seq_len,
+            batch_size=self.micro_batches
+            * max(1, int(getattr(trainer.datamodule, "batch_size", 1) or 1))
+            // self.micro_batches
+            if trainer is not None and getattr(trainer, "datamodule", None) is not None
+            else self.micro_batches,
+            lora_r=int(lora.r),
+            quantization=self.quantization,
         )
         for line in plan.explanation:
             log.info("poros plan: %s", line)

@@ -43,8 +43,7 @@ def _block_major(fault: str | None = None) -> tuple[dict[str, torch.Tensor], int
     splitter.fault = fault
     prepare(model, device="cpu", block_size=1)
     total, _ = micro_batch_mean(token_loss, K, model(input_ids=IDS, use_cache=False).logits, IDS)
-    total.backward()
-    splitter.accumulate()
+    total.backward()  # a plain backward: .grad is complete when it returns
     return _grads(model), engine_of(model).ring.loads
 
 
@@ -96,6 +95,37 @@ def test_lora_module_block_major_equals_lightning_accumulation(tmp_path) -> None
     a, b = adapter_tensors(ref), adapter_tensors(got)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not any(n for n, m in got.model.named_modules() if "forward" in m.__dict__)  # teardown unwrapped
+
+
+def test_a_short_last_batch_is_split_as_accumulation_splits_it(tmp_path) -> None:
+    """10 rows in micro-batches of 2, k=2: the epoch's last batch holds one micro-batch, as Lightning's last window."""
+    ref = make_module(lora_dropout=0.0)
+    trainer(tmp_path, max_steps=4, strategy=SingleDeviceStrategy("cpu"), accumulate_grad_batches=2).fit(
+        ref, random_batches(n=10, batch_size=2)
+    )
+    got = make_module(lora_dropout=0.0)
+    trainer(tmp_path, max_steps=4, strategy=PorosStrategy(device="cpu", micro_batches=2)).fit(
+        got, random_batches(n=10, batch_size=4)
+    )
+    a, b = adapter_tensors(ref), adapter_tensors(got)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_data_without_one_length_is_refused_and_scaling_that_rounds_warns() -> None:
+    from types import SimpleNamespace
+
+    strategy = PorosStrategy(device="cpu", micro_batches=3)
+    data = SimpleNamespace(packing=False, pad_to_multiple_of=None, seq_len=32, batch_size=6)
+    with pytest.raises(PorosConfigError, match="HINT: Set data.pad_to_multiple_of: 32"):
+        strategy._check_block_major_data(SimpleNamespace(datamodule=data, accumulate_grad_batches=1))
+    data.pad_to_multiple_of = 32
+    assert strategy._check_block_major_data(SimpleNamespace(datamodule=data, accumulate_grad_batches=1)) == 2
+    data.batch_size = 4
+    with pytest.raises(PorosConfigError, match="not a multiple of micro_batches=3"):
+        strategy._check_block_major_data(SimpleNamespace(datamodule=data, accumulate_grad_batches=1))
+    data.batch_size = 6
+    with pytest.warns(UserWarning, match="rounds differently"):  # fl(fl(1/25)/3) != fl(1/75)
+        strategy._check_block_major_data(SimpleNamespace(datamodule=data, accumulate_grad_batches=25))
 
 
 def test_dropout_is_refused_naming_the_fix(tmp_path) -> None:

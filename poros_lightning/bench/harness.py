@@ -183,8 +183,8 @@ def bench_methods(
                     pinned=engine.store.pinned,
                     loads_per_step=copies / (warmup + steps),
                     h2d_gbps=copies / (warmup + steps) * engine.store.max_block_bytes / s_per_step / 1e9,
-                    h2d_copy_gbps=timed["gbps"],
-                    copy_busy_fraction=timed["seconds"] / sum(times),
+                    h2d_copy_gbps=timed["gbps"] if engine.ring.use_streams else None,  # timed on the copy stream
+                    copy_busy_fraction=timed["seconds"] / sum(times) if engine.ring.use_streams else None,
                 )
         except torch.OutOfMemoryError:
             row.update(oom=True, s_per_step=None, peak_vram_gb=None)

@@ -14,15 +14,20 @@ Note: [ordered gradient sum]
     chunks in the order its scheduler happens to run them; float addition is not associative, so for
     ``k >= 3`` the bytes would depend on that schedule. Instead each chunk reads each trainable
     parameter through :class:`_Capture`, an identity whose backward stores that chunk's gradient and
-    passes nothing on; :meth:`MicroBatches.accumulate` then adds the stored gradients into ``.grad`` in
-    micro-batch order, ``grad = g_1``, ``grad += g_2``, ..., exactly the additions layer-major
-    accumulation performs.
+    passes nothing on; :meth:`MicroBatches.accumulate`, queued by the first capture to run when the
+    backward ends (so ``.grad`` is complete for ``on_after_backward`` and for plain loops alike), then adds
+    the stored gradients into ``.grad`` in micro-batch order, ``grad = g_1``, ``grad += g_2``, ...,
+    exactly the additions layer-major accumulation performs.
 
 Note: [what block-major cannot reproduce]
     RNG draws happen in another order (micro-batch 2 of layer 1 draws before micro-batch 1 of layer 2),
     so any dropout makes it differ from layer-major accumulation: :func:`check_block_major` refuses it.
-    The per-micro-batch loss must be computed by the module (:func:`micro_batches_of` tells it ``k``);
-    a loss over the whole ``k * b`` batch has another normalization.
+    The per-micro-batch loss must be computed by the module (:func:`micro_batches_of` tells it ``k``,
+    :func:`micro_batch_sizes` the rows of each); a loss over the whole ``k * b`` batch has another
+    normalization. Every micro-batch must have the shapes it has alone: batches padded to a common length
+    (``packing`` or ``pad_to_multiple_of=seq_len``), and an attention mask path that does not depend on
+    the other micro-batches (``eager`` attention builds the mask for every batch; ``sdpa`` skips it for a
+    batch without padding, so a padded neighbour would change the kernel).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from torch import nn
 
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["MicroBatches", "micro_batch_mean", "micro_batches_of"]
+__all__ = ["MicroBatches", "micro_batch_mean", "micro_batch_sizes", "micro_batches_of"]
 
 _ATTR = "_poros_micro_batches"
 
@@ -49,15 +54,25 @@ def micro_batches_of(model: nn.Module) -> int:
     return found.k if found is not None else 1
 
 
+def micro_batch_sizes(model: nn.Module, rows: int) -> list[int]:
+    """Rows of each micro-batch of a batch of ``rows`` rows on ``model`` (``[rows]`` when not split)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    found = getattr(base, _ATTR, None)
+    return found.sizes(rows) if found is not None else [rows]
+
+
 def micro_batch_mean(
-    loss_fn: Callable[..., torch.Tensor], k: int, *tensors: torch.Tensor
+    loss_fn: Callable[..., torch.Tensor], k: int, *tensors: torch.Tensor, sizes: list[int] | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``sum_i loss_fn(chunk_i) / k`` over the ``k`` row chunks of ``tensors``, and the ``k`` terms.
+    """``sum_i loss_fn(micro-batch_i) / k`` over the row chunks of ``tensors``, and the terms.
 
     Each term is computed as Lightning's gradient accumulation computes it (``loss / k``), so the
-    gradients equal those of ``accumulate_grad_batches=k`` over the same micro-batches.
+    gradients equal those of ``accumulate_grad_batches=k`` over the same micro-batches. ``sizes`` gives
+    the rows of each micro-batch (:func:`micro_batch_sizes`; fewer than ``k`` in an epoch's last, short
+    batch, as Lightning's last accumulation window); ``k`` equal chunks when ``None``.
     """
-    terms = [loss_fn(*(t.chunk(k, 0)[i] for t in tensors)) / k for i in range(k)]
+    parts = [t.split(sizes, 0) if sizes is not None else t.chunk(k, 0) for t in tensors]
+    terms = [loss_fn(*(part[i] for part in parts)) / k for i in range(len(parts[0]))]
     total = terms[0]
     for term in terms[1:]:
         total = total + term
@@ -68,16 +83,20 @@ class _Capture(torch.autograd.Function):
     """Identity on a parameter; the backward stores the incoming gradient instead of passing it on."""
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, store: dict[tuple[int, int], torch.Tensor], key: tuple[int, int]):
-        ctx.store, ctx.key = store, key
+    def forward(ctx: Any, param: torch.Tensor, splitter: MicroBatches, key: tuple[int, int]) -> torch.Tensor:
+        ctx.splitter, ctx.key = splitter, key
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        if ctx.key in ctx.store:  # the same chunk read the parameter twice: autograd order, as resident
-            ctx.store[ctx.key] = ctx.store[ctx.key] + grad
+        splitter, store = ctx.splitter, ctx.splitter.store
+        if not splitter.queued:  # whoever runs this backward, .grad is complete when it returns
+            torch.autograd.Variable._execution_engine.queue_callback(splitter.accumulate)
+            splitter.queued = True
+        if ctx.key in store:  # the same micro-batch read the parameter twice: autograd order, as resident
+            store[ctx.key] = store[ctx.key] + grad
         else:
-            ctx.store[ctx.key] = grad
+            store[ctx.key] = grad
         return None, None, None
 
 
@@ -99,6 +118,8 @@ class MicroBatches:
         self.params: list[nn.Parameter] = []
         self.store: dict[tuple[int, int], torch.Tensor] = {}
         self.fault: str | None = None  # "reversed_sum": negative control for the tests only
+        self.queued = False
+        self.micro_size: int | None = None  # rows per micro-batch; set from the loader (or the first batch)
         self._saved: list[tuple[nn.Module, Any]] = []
         owned: set[int] = set()
         for module in modules:
@@ -141,7 +162,7 @@ class MicroBatches:
                 for name, p in list(owner._parameters.items()):
                     if p is not None and p.requires_grad:
                         del owner._parameters[name]
-                        setattr(owner, name, _Capture.apply(p, self.store, (id(p), chunk)))
+                        setattr(owner, name, _Capture.apply(p, self, (id(p), chunk)))
                         swapped.append((owner, name, p))
             yield
         finally:
@@ -149,28 +170,56 @@ class MicroBatches:
                 delattr(owner, name)
                 owner._parameters[name] = p
 
+    def sizes(self, rows: int) -> list[int]:
+        """Rows of each micro-batch: ``micro_size`` each, the last one shorter when ``rows`` is not a multiple."""
+        if self.micro_size is None:
+            if rows % self.k:
+                raise PorosConfigError(
+                    f"A batch of {rows} rows cannot be split into {self.k} equal micro-batches.",
+                    f"Use a batch size that is a multiple of micro_batches={self.k} (micro-batch size x {self.k}).",
+                )
+            self.micro_size = rows // self.k
+        full, rest = divmod(rows, self.micro_size)
+        if full + (rest > 0) > self.k:
+            raise PorosConfigError(
+                f"A batch of {rows} rows holds more than micro_batches={self.k} micro-batches of {self.micro_size}.",
+                f"Use batches of at most {self.k * self.micro_size} rows.",
+            )
+        return [self.micro_size] * full + ([rest] if rest else [])
+
     def _forward(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing accumulates, any batch size goes
             return original(*args, **kwargs)
         lead = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         rows = lead.shape[0]
-        if rows % self.k:
-            raise PorosConfigError(
-                f"A batch of {rows} rows cannot be split into {self.k} equal micro-batches.",
-                f"Use a batch size that is a multiple of micro_batches={self.k} (micro-batch size x {self.k}).",
-            )
+        sizes = self.sizes(rows)
+        for name, value in kwargs.items():
+            if isinstance(value, dict | list) and value:
+                raise PorosConfigError(
+                    f"{type(module).__name__} receives shared state in {name!r}, which its micro-batches would "
+                    "overwrite in one another.",
+                    "Use micro_batches=1 (Trainer(accumulate_grad_batches=k) is exact) for this model.",
+                )
 
-        def part(x: Any, i: int) -> Any:
+        def split(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == rows:
-                return x.chunk(self.k, 0)[i]
+                return list(x.split(sizes, 0))  # one split node per tensor: one gradient buffer in the backward
             if isinstance(x, tuple):
-                return tuple(part(y, i) for y in x)
+                parts = [split(y) for y in x]
+                return [tuple(p[i] if isinstance(p, list) else p for p in parts) for i in range(len(sizes))]
             return x
 
+        def pick(x: Any, i: int) -> Any:
+            return x[i] if isinstance(x, list) else x
+
+        split_args = [split(a) for a in args]
+        split_kwargs = {n: split(v) for n, v in kwargs.items()}
         outs = []
-        for i in range(self.k):
+        for i in range(len(sizes)):
             with self._captured(module, i):
-                outs.append(original(*(part(a, i) for a in args), **{n: part(v, i) for n, v in kwargs.items()}))
+                outs.append(
+                    original(*(pick(a, i) for a in split_args), **{n: pick(v, i) for n, v in split_kwargs.items()})
+                )
         if isinstance(outs[0], tuple):
             return tuple(
                 torch.cat([o[j] for o in outs], 0) if isinstance(outs[0][j], torch.Tensor) else outs[0][j]
@@ -181,6 +230,7 @@ class MicroBatches:
     @torch.no_grad()
     def accumulate(self) -> None:
         """Add the captured per-micro-batch gradients into ``.grad``, in micro-batch order. Note: [ordered gradient sum]."""
+        self.queued = False
         if not self.store:
             return
         order = range(self.k - 1, -1, -1) if self.fault == "reversed_sum" else range(self.k)

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from poros_lightning.compiling import compile_layers
-from poros_lightning.engine.microbatch import micro_batch_mean, micro_batches_of
+from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
 from poros_lightning.parity.build import build_peft_model
 from poros_lightning.quant.loader import load_report
 
@@ -49,7 +49,7 @@ class ParityModule(L.LightningModule):
         logits = self.net(input_ids=batch, use_cache=False).logits
         k = micro_batches_of(self.net)
         if k > 1:  # block-major: one loss per micro-batch, each divided by k as accumulation does
-            total, terms = micro_batch_mean(token_loss, k, logits, batch)
+            total, terms = micro_batch_mean(token_loss, k, logits, batch, sizes=micro_batch_sizes(self.net, len(batch)))
             self.micro_losses = [t.detach() for t in terms]
             return total
         return token_loss(logits, batch)
