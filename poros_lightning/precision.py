@@ -102,7 +102,7 @@ class PorosPrecision(Precision):
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision == "bf16-mixed":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            with torch.autocast(device, dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):  # as Lightning's MixedPrecision
                 yield
         elif self.precision == "bf16-true":
             default = torch.get_default_dtype()

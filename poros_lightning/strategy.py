@@ -159,17 +159,25 @@ class PorosStrategy(SingleDeviceStrategy):
                 device = torch.device("cuda", 0)
             self._root_device = device
 
+    # Note: [precision flag]
+    #     Lightning's connector uses a strategy instance's own ``_precision_plugin`` instead of
+    #     ``Trainer(precision=...)`` when one is set. So none is stored until Lightning hands one over
+    #     (built from the flag, converted to PorosPrecision here); until then the getter returns the default.
     @property
     @override
     def precision_plugin(self) -> PorosPrecision:
+        if self._precision_plugin is None:
+            return self._convert_precision(Precision())
         return self._precision_plugin
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else self._convert_precision(plugin)
+
+    def _convert_precision(self, plugin: Precision) -> PorosPrecision:
         quantization = getattr(self, "quantization", "nf4-dq")
-        on_host = getattr(self, "optimizer_on_host", False)
-        self._precision_plugin = _to_poros_precision(plugin or Precision(), quantization, on_host)
+        return _to_poros_precision(plugin, quantization, getattr(self, "optimizer_on_host", False))
 
     def _peft_models(self) -> list[nn.Module]:
         assert self.model is not None

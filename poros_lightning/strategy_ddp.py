@@ -347,6 +347,7 @@ class PorosDDPStrategy(DDPStrategy):
 
     # The same meaning as on PorosStrategy, on every rank.
     precision_plugin = PorosStrategy.precision_plugin
+    _convert_precision = PorosStrategy._convert_precision
     _peft_models = PorosStrategy._peft_models
     _plan = PorosStrategy._plan
     lightning_module_state_dict = PorosStrategy.lightning_module_state_dict

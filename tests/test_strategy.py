@@ -156,3 +156,30 @@ def test_optimizer_state_on_host_between_steps(reference: Recorder) -> None:
     moved = [(p, k) for p, state in host.optimizer.state.items() for k in ("exp_avg", "exp_avg_sq")]
     assert moved and all(host.optimizer.state[p][k] is host.buffers[(id(p), k)] for p, k in moved)
     assert all(host.optimizer.state[p]["step"].dim() == 0 for p, _ in moved)  # scalars stay where they were
+
+
+def test_trainer_precision_flag_reaches_a_strategy_instance() -> None:
+    """Trainer(precision="bf16-mixed") with PorosStrategy(...) trains under autocast, bit-identical to resident."""
+
+    def fit(strategy) -> tuple[Recorder, L.Trainer]:  # noqa: ANN001
+        L.seed_everything(0, verbose=False)
+        rec = Recorder()
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            max_steps=2,
+            precision="bf16-mixed",
+            callbacks=[rec],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(UserModule(0.0), _data())
+        return rec, trainer
+
+    ref, _ = fit(SingleDeviceStrategy("cpu"))
+    got, trainer = fit(PorosStrategy(block_size=1))
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+    _assert_equal(ref, got)
