@@ -132,16 +132,22 @@ class PorosStrategy(SingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.engine_kwargs: dict[str, Any] = {
-            "block_size": block_size,
-            "prefetch": prefetch,
-            "num_slots": num_slots,
-            "pin_memory": pin_memory,
-            "use_streams": use_streams,
-            "resident_blocks": resident_blocks,
-            "embeddings_on_host": embeddings_on_host,
-            "allow_unlisted_arch": allow_unlisted_arch,
-        }
+        self._set_engine_options(
+            vram_budget,
+            seq_len,
+            block_size=block_size,
+            prefetch=prefetch,
+            num_slots=num_slots,
+            pin_memory=pin_memory,
+            use_streams=use_streams,
+            resident_blocks=resident_blocks,
+            embeddings_on_host=embeddings_on_host,
+            allow_unlisted_arch=allow_unlisted_arch,
+        )
+
+    def _set_engine_options(self, vram_budget: str | int | None, seq_len: int | None, **engine_kwargs: Any) -> None:
+        """The options ``prepare`` gets for each PEFT model, and what the planner needs (shared with PorosDDPStrategy)."""
+        self.engine_kwargs: dict[str, Any] = engine_kwargs
         self.vram_budget = vram_budget
         self.seq_len = seq_len
         self.plans: list[Any] = []

@@ -327,27 +327,27 @@ class PorosDDPStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        self.engine_kwargs: dict[str, Any] = {
-            "block_size": block_size,
-            "prefetch": prefetch,
-            "num_slots": num_slots,
-            "pin_memory": pin_memory,
-            "use_streams": use_streams,
-            "resident_blocks": resident_blocks,
-            "embeddings_on_host": embeddings_on_host,
-            "allow_unlisted_arch": allow_unlisted_arch,
-        }
-        self.vram_budget = vram_budget
-        self.seq_len = seq_len
+        self._set_engine_options(
+            vram_budget,
+            seq_len,
+            block_size=block_size,
+            prefetch=prefetch,
+            num_slots=num_slots,
+            pin_memory=pin_memory,
+            use_streams=use_streams,
+            resident_blocks=resident_blocks,
+            embeddings_on_host=embeddings_on_host,
+            allow_unlisted_arch=allow_unlisted_arch,
+        )
         self.shared_base = shared_base
         self.micro_batch_order = micro_batch_order
         self.allow_dropout = allow_dropout
-        self.plans: list[Any] = []
         self.shared: list[SharedArenas] = []  # this rank's shared-memory factories, one per PEFT model
 
     # The same meaning as on PorosStrategy, on every rank.
     precision_plugin = PorosStrategy.precision_plugin
     _convert_precision = PorosStrategy._convert_precision
+    _set_engine_options = PorosStrategy._set_engine_options
     _peft_models = PorosStrategy._peft_models
     _plan = PorosStrategy._plan
     lightning_module_state_dict = PorosStrategy.lightning_module_state_dict

@@ -353,6 +353,38 @@ def _gpu_fit(world: int, out: Path) -> None:
         torch.save({**rec.state(), **extra}, out / f"gpu_world{world}.pt")
 
 
+def _write_gpu_gate(tmp_path: Path, suffix: str, got: SimpleNamespace, ref: SimpleNamespace, **facts: Any) -> Any:
+    """Compare a 2-rank GPU run with its one-process reference; append the rows and a summary to the JSONL."""
+    result = compare(ref, got)
+    name = f"ddp_{GPU_MODEL.split('/')[-1].lower()}{suffix}.jsonl"
+    artifacts = Path(os.environ.get("POROS_ARTIFACTS", tmp_path)) / "validation" / name
+    artifacts.parent.mkdir(parents=True, exist_ok=True)
+    model = f"{GPU_MODEL} (random init)"
+    summary = {
+        "summary": True,
+        "model": model,
+        "world_size": 2,
+        **{k: facts[k] for k in ("topology", "reference") if k in facts},
+        "steps": GPU_STEPS,
+        "seq_len": GPU_SEQ,
+        "micro_batch": 1,
+        "lora_r": 16,
+        "lora_dropout": 0.0,
+        "backend": facts["backend"],
+        "surfaces": result.surfaces,
+        "equal": result.equal,
+        "first_mismatch": result.first_mismatch,
+        "seconds": {"ddp": got.seconds, "reference": ref.seconds},
+        **({"host_memory": facts["host_memory"]} if "host_memory" in facts else {}),
+        **versions(),
+    }
+    with artifacts.open("a") as f:
+        for row in result.rows:
+            f.write(json.dumps({"model": model, "world_size": 2, **row}) + "\n")
+        f.write(json.dumps(summary) + "\n")
+    return result
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_gpu_two_ranks_nccl_equal_one_gpu_accumulating(tmp_path: Path) -> None:
@@ -363,33 +395,15 @@ def test_gpu_two_ranks_nccl_equal_one_gpu_accumulating(tmp_path: Path) -> None:
         proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=3000)
         assert proc.returncode == 0, proc.stderr[-6000:]
     got, ref = (_load(tmp_path / f"gpu_world{w}.pt") for w in (2, 1))
-    result = compare(ref, got)
-    name = f"ddp_{GPU_MODEL.split('/')[-1].lower()}.jsonl"
-    artifacts = Path(os.environ.get("POROS_ARTIFACTS", tmp_path)) / "validation" / name
-    artifacts.parent.mkdir(parents=True, exist_ok=True)
-    model = f"{GPU_MODEL} (random init)"
-    summary = {
-        "summary": True,
-        "model": model,
-        "world_size": 2,
-        "reference": "1 GPU, accumulate_grad_batches=2",
-        "steps": GPU_STEPS,
-        "seq_len": GPU_SEQ,
-        "micro_batch": 1,
-        "lora_r": 16,
-        "lora_dropout": 0.0,
-        "backend": "nccl",
-        "surfaces": result.surfaces,
-        "equal": result.equal,
-        "first_mismatch": result.first_mismatch,
-        "seconds": {"ddp": got.seconds, "reference": ref.seconds},
-        "host_memory": got.memory,
-        **versions(),
-    }
-    with artifacts.open("a") as f:
-        for row in result.rows:
-            f.write(json.dumps({"model": model, "world_size": 2, **row}) + "\n")
-        f.write(json.dumps(summary) + "\n")
+    result = _write_gpu_gate(
+        tmp_path,
+        "",
+        got,
+        ref,
+        reference="1 GPU, accumulate_grad_batches=2",
+        backend="nccl",
+        host_memory=got.memory,
+    )
     assert result.equal, result.first_mismatch
 
 
@@ -437,33 +451,15 @@ def test_gpu_nccl_smoke_two_processes_on_one_gpu(tmp_path: Path) -> None:
     )
     assert single.returncode == 0, single.stderr[-6000:]
     got, ref = (_load(tmp_path / f"gpu_world{w}.pt") for w in (2, 1))
-    result = compare(ref, got)
-    name = f"ddp_{GPU_MODEL.split('/')[-1].lower()}_one_gpu.jsonl"
-    artifacts = Path(os.environ.get("POROS_ARTIFACTS", tmp_path)) / "validation" / name
-    artifacts.parent.mkdir(parents=True, exist_ok=True)
-    model = f"{GPU_MODEL} (random init)"
-    summary = {
-        "summary": True,
-        "model": model,
-        "world_size": 2,
-        "topology": "2 processes on 1 GPU, each its own node (NCCL_HOSTID), NCCL socket transport on loopback",
-        "reference": "1 process on the same GPU, accumulate_grad_batches=2",
-        "steps": GPU_STEPS,
-        "seq_len": GPU_SEQ,
-        "micro_batch": 1,
-        "lora_r": 16,
-        "lora_dropout": 0.0,
-        "backend": got.backend,
-        "surfaces": result.surfaces,
-        "equal": result.equal,
-        "first_mismatch": result.first_mismatch,
-        "seconds": {"ddp": got.seconds, "reference": ref.seconds},
-        **versions(),
-    }
-    with artifacts.open("a") as f:
-        for row in result.rows:
-            f.write(json.dumps({"model": model, "world_size": 2, **row}) + "\n")
-        f.write(json.dumps(summary) + "\n")
+    result = _write_gpu_gate(
+        tmp_path,
+        "_one_gpu",
+        got,
+        ref,
+        topology="2 processes on 1 GPU, each its own node (NCCL_HOSTID), NCCL socket transport on loopback",
+        reference="1 process on the same GPU, accumulate_grad_batches=2",
+        backend=got.backend,
+    )
     assert got.backend == "nccl"
     assert result.equal, result.first_mismatch
 
