@@ -15,6 +15,7 @@ from torch import nn
 from poros_lightning import quant
 from poros_lightning.arch import arch_for_model, resolve
 from poros_lightning.engine import EngineOptions, StreamingEngine, move_resident
+from poros_lightning.engine.head import HostHead, check_frozen_head
 from poros_lightning.engine.store import ArenaFactory
 from poros_lightning.errors import PorosConfigError
 
@@ -92,6 +93,28 @@ def _host_embedding(base: nn.Module, embed_path: str, head_path: str, device: to
     return HostEmbedding(embed, device)
 
 
+def _resolve_or_none(base: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return resolve(base, path)
+    except Exception:  # e.g. a model without a head module
+        return None
+
+
+def _host_head(base: nn.Module, embed_path: str, head_path: str, engine: StreamingEngine) -> HostHead | None:
+    head = _resolve_or_none(base, head_path)
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        log.info("poros: the model has no LM head weight to keep in host memory.")
+        return None
+    if weight is getattr(resolve(base, embed_path), "weight", None):
+        log.info("poros: the LM head is tied to the input embeddings; keeping it on %s.", engine.device)
+        return None
+    ring = engine.ring
+    host_head = HostHead(head, engine.device, ring.copy_stream if ring.use_streams else None)
+    engine.streamer.after_last_forward = host_head.prefetch  # the copy overlaps the last block's compute
+    return host_head
+
+
 def prepare(
     model: nn.Module,
     *,
@@ -103,6 +126,7 @@ def prepare(
     use_streams: bool = True,
     resident_blocks: int = 0,
     embeddings_on_host: bool = False,
+    head_on_host: bool = False,
     allow_unlisted_arch: bool = False,
     arena_factory: ArenaFactory | None = None,
 ) -> nn.Module:
@@ -160,6 +184,10 @@ def prepare(
             "The decoder layers hold no frozen linear weights to stream.",
             "Freeze the base (PEFT does this) before prepare(), or train it without poros-lightning.",
         )
+    if head_on_host:  # refused before anything moves
+        head = _resolve_or_none(base, spec.head)
+        if getattr(head, "weight", None) is not None:
+            check_frozen_head(head)
     checkpointing = getattr(base, "is_activation_checkpointing", None)
     if checkpointing is None:  # older transformers
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
@@ -169,6 +197,7 @@ def prepare(
     engine = StreamingEngine(layers, refs, device, options, arena_factory=arena_factory)
     quant.move_quant_states(model, device)
     engine.host_embedding = _host_embedding(base, spec.embed, spec.head, device) if embeddings_on_host else None
+    engine.host_head = _host_head(base, spec.embed, spec.head, engine) if head_on_host else None
     move_resident(model, device)
     config = getattr(base, "config", None)
     engine.saved_use_cache = getattr(config, "use_cache", None)
@@ -208,6 +237,8 @@ def unprepare(model: nn.Module, *, device: torch.device | str | None = None, cop
     base = _base(model)
     if engine.host_embedding is not None:
         engine.host_embedding.detach(device if device is not None else engine.device)
+    if engine.host_head is not None:
+        engine.host_head.detach(device if device is not None else engine.device)
     config = getattr(base, "config", None)
     if config is not None and engine.saved_use_cache is not None:
         config.use_cache = engine.saved_use_cache

@@ -28,8 +28,8 @@ from poros_lightning.arch import (
     known_ids,
     transformers_knows,
 )
-from poros_lightning.errors import PorosConfigError, UnsupportedArchitectureError
-from poros_lightning.planner import QUANTIZATIONS, MemoryPlan, format_bytes, parse_bytes, plan_memory
+from poros_lightning.errors import PorosConfigError, PorosOOMError, UnsupportedArchitectureError
+from poros_lightning.planner import QUANTIZATIONS, MemoryPlan, format_bytes, parse_bytes, plan_engine, plan_memory
 
 __all__ = ["CheckResult", "check", "format_check", "load_config", "main"]
 
@@ -55,6 +55,8 @@ class CheckResult:
         max_position_embeddings: the model's context length, when the config states it.
         plan: the memory plan, when supported.
         notes: remarks about the model, the layout or the estimate.
+        engine_plan: with a VRAM budget, what ``PorosStrategy(vram_budget=...)`` would choose (one line
+            per decision), or why nothing fits.
     """
 
     model: str
@@ -66,6 +68,7 @@ class CheckResult:
     max_position_embeddings: int | None = None
     plan: MemoryPlan | None = None
     notes: tuple[str, ...] = ()
+    engine_plan: tuple[str, ...] = ()
 
     @property
     def family(self) -> str | None:
@@ -243,7 +246,16 @@ def check(
         lora_targets=spec.lora_targets,
     )
     notes.extend(plan.notes)
-    return CheckResult(model, source, model_type, True, spec, None, max_pos, plan, tuple(notes))
+    engine_plan: tuple[str, ...] = ()
+    if vram_budget is not None:
+        try:
+            engine_plan = plan_engine(
+                cfg, vram_budget, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization,
+                lora_targets=spec.lora_targets,
+            ).explanation  # fmt: skip
+        except PorosOOMError as err:
+            engine_plan = (str(err).splitlines()[0],)
+    return CheckResult(model, source, model_type, True, spec, None, max_pos, plan, tuple(notes), engine_plan)
 
 
 def _params(n: int) -> str:
@@ -308,6 +320,9 @@ def format_check(result: CheckResult) -> str:
     budget = _budget_lines(plan)
     if budget:
         lines += ["", *budget]
+    if result.engine_plan:
+        lines += ["", "planner (PorosStrategy(vram_budget=...), minimum-memory options included):"]
+        lines += [f"  {line}" for line in result.engine_plan]
     if result.notes:
         lines += ["", *(f"note: {note}" for note in result.notes)]
     return "\n".join(lines)

@@ -42,7 +42,7 @@ class HostOptimizerState:
     @torch.no_grad()
     def to_host(self) -> int:
         """Copy the state into the host buffers (allocated on first use) and keep those; returns bytes moved."""
-        moved = 0
+        moved, cuda = 0, False
         for param, state, key, value in self._moving():
             buf = self.buffers.get((id(param), key))
             if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
@@ -50,9 +50,13 @@ class HostOptimizerState:
                 buf = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
                 self.buffers[(id(param), key)] = buf
             if buf is not value:
-                buf.copy_(value)  # synchronous: the host bytes are complete when this returns
+                # Asynchronous into pinned memory; freeing ``value`` right after is stream-ordered, so safe.
+                buf.copy_(value, non_blocking=buf.is_pinned())
+                cuda = cuda or value.device.type == "cuda"
                 state[key] = buf
             moved += buf.numel() * buf.element_size()
+        if cuda:
+            torch.cuda.synchronize()  # the host bytes are complete when this returns (checkpoints read them)
         return moved
 
     @torch.no_grad()

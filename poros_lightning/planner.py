@@ -332,6 +332,8 @@ class EnginePlan:
         prefetch: blocks copied ahead.
         resident_blocks: leading blocks kept on the device (copied once).
         embeddings_on_host: keep the input embedding table in host memory.
+        head_on_host: keep the LM head's weight in host memory, copied in for its forward and backward.
+        optimizer_on_host: keep the optimizer's moments in host memory between steps.
         vram_estimate: estimated peak of the chosen plan (bytes).
         vram_budget: the budget (bytes).
         explanation: one line per decision, for the log.
@@ -344,13 +346,17 @@ class EnginePlan:
     vram_estimate: int
     vram_budget: int
     explanation: tuple[str, ...]
+    head_on_host: bool = False
+    optimizer_on_host: bool = False
 
     def engine_kwargs(self) -> dict[str, Any]:
+        """The options ``prepare`` takes (``optimizer_on_host`` belongs to the precision plugin)."""
         return {
             "block_size": self.block_size,
             "prefetch": self.prefetch,
             "resident_blocks": self.resident_blocks,
             "embeddings_on_host": self.embeddings_on_host,
+            "head_on_host": self.head_on_host,
         }
 
 
@@ -370,10 +376,16 @@ def plan_engine(
 ) -> EnginePlan:
     """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
 
-    The smallest plan streams one layer per block through two slots; if that does not fit, the input
-    embeddings move to host memory (untied models). Memory left over keeps the first blocks resident,
-    which saves two copies of each per step (10% of the budget is kept as headroom). Larger blocks are not chosen: a layer per block already
-    hides copies behind compute, and smaller slots leave more room for resident blocks.
+    The smallest plan streams one layer per block through two slots. If that does not fit, the
+    minimum-memory options turn on one by one, each exact, cheapest first: the input embeddings move to
+    host memory (untied models; free), the LM head's weight moves to host memory (untied models; two
+    head copies per step; the weight and the fp32 logits are then never on the device together, which
+    saves ``min(head, 8 bytes x tokens x vocabulary)``), and the optimizer's two moments wait in host
+    memory between steps (two copies of them per step; the update then needs the adapter, its gradient
+    and the moments, with nothing of the forward alive). Memory left over keeps the first blocks resident,
+    which saves two copies of each per step (10% of the budget is kept as headroom). Larger blocks are not
+    chosen: a layer per block already hides copies behind compute, and smaller slots leave more room for
+    resident blocks.
 
     Raises:
         PorosOOMError: even the smallest plan does not fit; the message gives the smallest budget that would.
@@ -387,25 +399,53 @@ def plan_engine(
     )  # fmt: skip
     text = _text_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-    embed_bytes = 0 if tied else int(text["vocab_size"]) * int(text["hidden_size"]) * 2
-    need = plan.streamed_vram_min
-    why = [f"minimum plan (block_size 1, 2 slots of {format_bytes(plan.per_block_bytes)}): {format_bytes(need)}"]
-    on_host = False
-    if need > budget and embed_bytes:
-        on_host = True
-        need -= embed_bytes
-        why.append(f"input embeddings in host memory saves {format_bytes(embed_bytes)}: {format_bytes(need)}")
-    if need > budget:
-        raise PorosOOMError(
-            f"The smallest streamed plan needs about {format_bytes(need)} of GPU memory at seq_len {seq_len}, "
-            f"batch {batch_size}, LoRA r{lora_r}; the budget is {format_bytes(budget)}.",
-            f"Use vram_budget >= {format_bytes(need)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
+    table = int(text["vocab_size"]) * int(text["hidden_size"]) * _BF16
+    tokens = batch_size * seq_len
+    moments = plan.lora_params * 8  # AdamW's exp_avg and exp_avg_sq, fp32
+    slots = plan.slots * plan.per_block_bytes
+    # The forward/backward peak, and the optimizer update's peak once the moments live on the host:
+    # adapter + gradient + moments + one fp32 temporary as large as a moment (AdamW's sqrt), the slots,
+    # and whatever of the resident part stays on the device.
+    fwd = plan.streamed_vram_min
+    why = [f"minimum plan (block_size 1, 2 slots of {format_bytes(plan.per_block_bytes)}): {format_bytes(fwd)}"]
+    embed_host = head_host = opt_host = False
+    resident_left = plan.resident_bytes
+
+    def need() -> int:
+        update = resident_left + slots + plan.lora_bytes + plan.lora_params * 4
+        return max(fwd, update) if opt_host else fwd
+
+    if need() > budget and not tied:
+        embed_host = True
+        fwd -= table
+        resident_left -= table
+        why.append(f"input embeddings in host memory saves {format_bytes(table)}: {format_bytes(need())}")
+    if need() > budget and not tied:
+        head_host = True
+        saved = min(table, 8 * tokens * int(text["vocab_size"]))
+        fwd -= saved
+        resident_left -= table
+        why.append(
+            f"LM head in host memory (two head copies per step) saves {format_bytes(saved)}: {format_bytes(need())}"
         )
-    spare = int(budget * 0.9) - need  # 10% headroom for allocator fragmentation and estimate error
+    if need() > budget and moments:
+        opt_host = True
+        fwd -= moments
+        why.append(
+            f"optimizer moments in host memory (two copies of {format_bytes(moments)} per step): {format_bytes(need())}"
+        )
+    total = need()
+    if total > budget:
+        raise PorosOOMError(
+            f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
+            f"batch {batch_size}, LoRA r{lora_r}; the budget is {format_bytes(budget)}.",
+            f"Use vram_budget >= {format_bytes(total)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
+        )
+    spare = int(budget * 0.9) - total  # 10% headroom for allocator fragmentation and estimate error
     resident = min(plan.num_blocks - 2, spare // plan.per_block_bytes) if plan.per_block_bytes else 0
     resident = max(int(resident), 0)
-    need += resident * plan.per_block_bytes
+    total += resident * plan.per_block_bytes
     if resident:
-        why.append(f"{resident} of {plan.num_blocks} blocks stay resident (copied once): {format_bytes(need)}")
-    why.append(f"budget {format_bytes(budget)}, estimated peak {format_bytes(need)}")
-    return EnginePlan(1, 1, resident, on_host, need, budget, tuple(why))
+        why.append(f"{resident} of {plan.num_blocks} blocks stay resident (copied once): {format_bytes(total)}")
+    why.append(f"budget {format_bytes(budget)}, estimated peak {format_bytes(total)}")
+    return EnginePlan(1, 1, resident, embed_host, total, budget, tuple(why), head_host, opt_host)

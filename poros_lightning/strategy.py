@@ -72,9 +72,12 @@ class PorosStrategy(SingleDeviceStrategy):
         use_streams: copy on a side CUDA stream (``False``: synchronous copies, for debugging).
         resident_blocks: leading blocks kept on the device (copied once per run instead of twice a step).
         embeddings_on_host: keep the input embedding table in host memory (exact; untied models).
-        vram_budget: a GPU memory budget (``"8GB"``, bytes): the planner chooses ``resident_blocks``
-            and ``embeddings_on_host`` to fit it, logs its plan, and raises ``PorosOOMError`` naming
-            the smallest budget that would fit when nothing does. Overrides those two options.
+        head_on_host: keep the LM head's weight in host memory, copied in for the head's forward and
+            backward only (exact; untied models; two head copies per step).
+        vram_budget: a GPU memory budget (``"8GB"``, bytes): the planner chooses ``resident_blocks``,
+            ``embeddings_on_host``, ``optimizer_on_host`` and ``head_on_host`` to fit it, logs its plan,
+            and raises ``PorosOOMError`` naming the smallest budget that would fit when nothing does.
+            Overrides those options.
         seq_len: sequence length the budget is planned for; by default the datamodule's ``seq_len``.
         allow_unlisted_arch: stream an architecture missing from the registry, as experimental.
         micro_batches: ``k > 1`` runs each batch as ``k`` micro-batches *block-major*: every micro-batch
@@ -104,6 +107,7 @@ class PorosStrategy(SingleDeviceStrategy):
         seq_len: int | None = None,
         allow_unlisted_arch: bool = False,
         micro_batches: int = 1,
+        head_on_host: bool = False,
         optimizer_on_host: bool = False,
         accelerator: Any = None,
         checkpoint_io: Any = None,
@@ -142,6 +146,7 @@ class PorosStrategy(SingleDeviceStrategy):
             use_streams=use_streams,
             resident_blocks=resident_blocks,
             embeddings_on_host=embeddings_on_host,
+            head_on_host=head_on_host,
             allow_unlisted_arch=allow_unlisted_arch,
         )
 
@@ -322,6 +327,10 @@ class PorosStrategy(SingleDeviceStrategy):
         for line in plan.explanation:
             log.info("poros plan: %s", line)
         self.plans.append(plan)
+        if plan.optimizer_on_host:
+            self.optimizer_on_host = True
+            if isinstance(self._precision_plugin, PorosPrecision):
+                self._precision_plugin.optimizer_on_host = True
         return plan.engine_kwargs()
 
     @override

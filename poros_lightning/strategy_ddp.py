@@ -274,12 +274,14 @@ class PorosDDPStrategy(DDPStrategy):
         use_streams: copy on a side CUDA stream.
         resident_blocks: leading blocks kept on the device.
         embeddings_on_host: keep the input embedding table in host memory (per rank, not shared).
-        vram_budget: a per-GPU memory budget the planner fits ``resident_blocks`` and
-            ``embeddings_on_host`` to (see :class:`~poros_lightning.PorosStrategy`).
+        vram_budget: a per-GPU memory budget the planner fits ``resident_blocks``,
+            ``embeddings_on_host`` and ``head_on_host`` to (see :class:`~poros_lightning.PorosStrategy`).
         seq_len: sequence length the budget is planned for.
         allow_unlisted_arch: stream an architecture missing from the registry, as experimental.
         shared_base: one copy of the base per host in ``/dev/shm`` (default); ``False`` gives every
             rank its own host store.
+        head_on_host: keep the LM head's weight in host memory (per rank), copied in for the head's
+            forward and backward only (exact; untied models).
         micro_batch_order: replace the ``DistributedSampler`` Lightning injects with a
             :class:`MicroBatchSampler` (rank ``r`` gets micro-batches ``r, r + N, ...``).
         allow_dropout: train with dropout anyway; ranks then draw different masks than one process
@@ -305,6 +307,7 @@ class PorosDDPStrategy(DDPStrategy):
         seq_len: int | None = None,
         allow_unlisted_arch: bool = False,
         shared_base: bool = True,
+        head_on_host: bool = False,
         micro_batch_order: bool = True,
         allow_dropout: bool = False,
         accelerator: Any = None,
@@ -337,6 +340,7 @@ class PorosDDPStrategy(DDPStrategy):
             use_streams=use_streams,
             resident_blocks=resident_blocks,
             embeddings_on_host=embeddings_on_host,
+            head_on_host=head_on_host,
             allow_unlisted_arch=allow_unlisted_arch,
         )
         self.shared_base = shared_base

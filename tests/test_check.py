@@ -174,3 +174,11 @@ def test_check_does_not_import_torch(tmp_path):
 def test_experimental_family_says_it_has_no_gpu_gate(capsys):
     assert main(["mistralai/Mistral-7B-v0.3"]) == 0
     assert "bit-identical on CPU parity tests in CI; no GPU gate yet" in capsys.readouterr().out
+
+
+def test_vram_budget_shows_the_planners_choice(capsys):
+    assert main(["Qwen/Qwen2.5-72B", "--vram-budget", "8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "planner (PorosStrategy(vram_budget=...)" in out and "LM head in host memory" in out
+    assert main(["Qwen/Qwen2.5-72B", "--vram-budget", "4GB"]) == 0
+    assert "The smallest streamed plan needs about 6.84 GB" in capsys.readouterr().out

@@ -85,6 +85,53 @@ def test_resident_blocks_and_host_embeddings(reference: dict) -> None:
     assert engine.ring.loads == (1 + 3 + 1) + 2 + 2
 
 
+def test_head_on_host_is_exact_and_copies_the_head_per_use(reference: dict) -> None:
+    """The head's weight waits in host memory; its forward and its backward each copy it in."""
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", embeddings_on_host=True, head_on_host=True)
+    engine = engine_of(model)
+    head = model.get_base_model().lm_head
+    assert engine.host_head is not None and head.weight.data_ptr() == engine.host_head.host.data_ptr()
+    got = train_loop(model)
+    assert differences(reference, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+    assert engine.host_head.loads == 2 * 3  # train_loop runs 3 steps
+    assert head.weight.data_ptr() == engine.host_head.host.data_ptr()  # back on the host between uses
+
+
+def test_head_on_host_backward_reads_a_fresh_copy() -> None:
+    """Negative control: the backward uses the bytes copied in for it, not the forward's copy."""
+    model = prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True)
+    host_head = engine_of(model).host_head
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def first_grad() -> torch.Tensor:
+        logits = model(input_ids=ids, use_cache=False).logits
+        if host_head.loads % 2 == 1 and corrupt:
+            host_head.host.mul_(2)  # what the backward will copy in
+        logits.float().square().mean().backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        model.zero_grad(set_to_none=True)
+        return grad
+
+    corrupt = False
+    clean = first_grad()
+    assert host_head.loads == 2
+    corrupt = True
+    doubled = first_grad()
+    host_head.host.div_(2)
+    assert clean.abs().sum() > 0 and not torch.equal(clean, doubled)
+
+
+def test_head_on_host_unprepare_and_tied_heads() -> None:
+    model = prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True)
+    head = model.get_base_model().lm_head
+    unprepare(model)
+    assert "forward" not in head.__dict__ and not getattr(head, "_poros_on_host", False)
+    tied = prepare(
+        build_peft_model(tiny_config(tie_word_embeddings=True), lora_dropout=0.0), device="cpu", head_on_host=True
+    )
+    assert engine_of(tied).host_head is None  # the table is the embedding's too: it stays on the device
+
+
 def test_engine_options_are_validated() -> None:
     from poros_lightning.errors import PorosConfigError
 
@@ -92,3 +139,14 @@ def test_engine_options_are_validated() -> None:
         prepare(build_peft_model(), device="cpu", block_size=0)
     with pytest.raises(PorosConfigError, match="num_slots"):
         prepare(build_peft_model(), device="cpu", prefetch=2, num_slots=2)
+
+
+def test_head_on_host_refuses_a_trained_head() -> None:
+    from poros_lightning.errors import PorosConfigError
+
+    model = build_peft_model(lora_dropout=0.0)
+    model.get_base_model().lm_head.weight.requires_grad_(True)
+    with pytest.raises(PorosConfigError, match="HINT: Drop head_on_host"):
+        prepare(model, device="cpu", head_on_host=True)
+    assert engine_of(model) is None  # refused before anything moved
+    assert all("forward" not in layer.__dict__ for layer in model.get_base_model().model.layers)

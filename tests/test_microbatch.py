@@ -35,13 +35,13 @@ def _layer_major() -> tuple[dict[str, torch.Tensor], int]:
     return _grads(model), engine_of(model).ring.loads
 
 
-def _block_major(fault: str | None = None) -> tuple[dict[str, torch.Tensor], int]:
+def _block_major(fault: str | None = None, head_on_host: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     model = build_peft_model(lora_dropout=0.0)
     base = model.get_base_model()
     splitter = MicroBatches(base, [*base.model.layers, base.model.norm, base.lm_head], K)
     splitter.install()
     splitter.fault = fault
-    prepare(model, device="cpu", block_size=1)
+    prepare(model, device="cpu", block_size=1, head_on_host=head_on_host)
     total, _ = micro_batch_mean(token_loss, K, model(input_ids=IDS, use_cache=False).logits, IDS)
     total.backward()  # a plain backward: .grad is complete when it returns
     return _grads(model), engine_of(model).ring.loads
@@ -54,6 +54,13 @@ def test_block_major_gradients_equal_accumulation_and_each_block_loads_once() ->
     assert all(torch.equal(ref[n], got[n]) for n in ref)
     # 4 layers, 2 slots: layer-major reloads the blocks for every micro-batch, block-major once per pass
     assert loads < ref_loads / 2, (loads, ref_loads)
+
+
+def test_block_major_with_the_head_in_host_memory() -> None:
+    """The head's weight is copied in per use; each micro-batch's backward unpacks its own copy."""
+    ref, _ = _layer_major()
+    got, _ = _block_major(head_on_host=True)
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
 def test_summing_the_micro_batches_in_another_order_is_caught() -> None:

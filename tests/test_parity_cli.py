@@ -52,3 +52,29 @@ def test_compile_mode_is_gated_and_really_compiles(tmp_path: Path) -> None:
     assert all(r["equal"] for r in rows if r.get("summary"))
     assert len(losses["compile"]) == 2
     assert losses["compile"] != losses["plain"]  # inductor's kernels round differently from eager ones
+
+
+def test_min_memory_mode_is_gated_with_its_options_in_effect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Embeddings, LM head and optimizer moments in host memory: all four surfaces equal (with dropout)."""
+    from poros_lightning.engine.head import HostHead
+    from poros_lightning.optim_state import HostOptimizerState
+
+    calls = {"head": 0, "optimizer": 0}
+    fetch, to_host = HostHead._fetch, HostOptimizerState.to_host
+
+    def counting_fetch(self: HostHead) -> object:
+        calls["head"] += 1
+        return fetch(self)
+
+    def counting_to_host(self: HostOptimizerState) -> int:
+        calls["optimizer"] += 1
+        return to_host(self)
+
+    monkeypatch.setattr(HostHead, "_fetch", counting_fetch)
+    monkeypatch.setattr(HostOptimizerState, "to_host", counting_to_host)
+    path = _config(tmp_path, steps=2, block_sizes=[1], modes=["min_memory"])
+    assert main(["--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in rows if r.get("summary")]
+    assert summary["mode"] == "min_memory" and summary["lora_dropout"] == 0.1 and summary["equal"]
+    assert calls["head"] >= 4 and calls["optimizer"] == 2  # two head copies and one state round trip per step

@@ -187,3 +187,19 @@ def test_plan_engine_fills_the_budget_and_names_the_minimum():
     with pytest.raises(PorosOOMError, match="vram_budget >= ") as err:
         plan_engine(known_config("Qwen/Qwen2.5-72B"), "4GB")
     assert isinstance(err.value, MemoryError)
+
+
+def test_plan_engine_turns_on_minimum_memory_options_cheapest_first():
+    from poros_lightning.arch.known import known_config
+    from poros_lightning.planner import plan_engine
+
+    cfg = known_config("Qwen/Qwen2.5-72B")
+    roomy, tight = plan_engine(cfg, "12GB"), plan_engine(cfg, "8GB")
+    assert not (roomy.embeddings_on_host or roomy.head_on_host or roomy.optimizer_on_host)
+    assert tight.embeddings_on_host and tight.head_on_host and tight.optimizer_on_host
+    assert tight.engine_kwargs()["head_on_host"] and "optimizer_on_host" not in tight.engine_kwargs()
+    assert any("LM head in host memory" in line for line in tight.explanation)
+    middle = plan_engine(known_config("Qwen/Qwen2.5-32B"), "6GB")  # embeddings alone suffice
+    assert middle.embeddings_on_host and not middle.head_on_host and not middle.optimizer_on_host
+    tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.25GB")  # a tied head stays: only the moments move
+    assert not tied.embeddings_on_host and not tied.head_on_host and tied.optimizer_on_host

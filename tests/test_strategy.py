@@ -141,6 +141,15 @@ def test_vram_budget_plans_the_engine(reference: Recorder) -> None:
     assert strategy.plans and strategy.plans[0].resident_blocks == 2  # all but the two ring slots
 
 
+def test_tight_vram_budget_turns_on_the_minimum_memory_options(reference: Recorder) -> None:
+    """Below the smallest plan, the planner moves embeddings, head and optimizer moments to the host: still exact."""
+    strategy = PorosStrategy(vram_budget=700_000, seq_len=16)
+    _assert_equal(reference, _fit(strategy))
+    plan = strategy.plans[0]
+    assert plan.embeddings_on_host and plan.head_on_host and plan.optimizer_on_host
+    assert strategy.precision_plugin.optimizer_on_host and strategy.precision_plugin._host_states
+
+
 def test_vram_budget_too_small_names_the_minimum() -> None:
     from poros_lightning.errors import PorosOOMError
 

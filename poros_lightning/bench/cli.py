@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ _KEYS = {
     "runs",
     "out",
     "build",
+    "compile_layers",
 }
 _BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
@@ -63,6 +66,7 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
 
         config, _ = load_config(cfg["model"])
     h2d = measure_h2d()
+    run_id = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"  # rows of one process share it
     rows = []
     for seq_len in cfg.get("seq_lens", [512]):
         for row in bench_methods(
@@ -74,11 +78,13 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
             steps=int(cfg.get("steps", 10)),
             warmup=int(cfg.get("warmup", 3)),
             blockwise=_BUILDS[cfg.get("build", "auto")],
+            compile_layers=bool(cfg.get("compile_layers", False)),
         ):
             full = {
                 "model": f"{cfg.get('model', config.get('model_type'))} (random init)",
                 "scale": cfg.get("scale"),
                 "pinned_peak_h2d_gbps": h2d,
+                "run_id": run_id,
                 **row,
                 **versions(),
             }
@@ -101,19 +107,39 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config")
     run.add_argument("--out", help="JSONL file to append to (overrides the YAML's `out`)")
     run.add_argument("--steps", type=int, help="timed steps (overrides the YAML)")
+    run.add_argument("--runs", nargs="+", metavar="NAME", help="only the runs of these names (default: all)")
+    run.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (overrides the YAML)")
     rep = sub.add_parser("report", help="render an HTML report (and print a Markdown table) from JSONL files")
     rep.add_argument("jsonl", nargs="+")
     rep.add_argument("-o", "--output", default="docs/benchmarks/report.html")
+    rep.add_argument(
+        "--where", action="append", default=[], metavar="KEY=VALUE", help="keep rows whose field KEY is VALUE"
+    )
     args = p.parse_args(argv)
     if args.command == "run":
         cfg = load_bench_config(args.config)
         if args.steps:
             cfg["steps"] = args.steps
+        if args.seq_lens:
+            cfg["seq_lens"] = args.seq_lens
+        if args.runs:
+            names = [r.get("name", r["method"]) for r in cfg["runs"]]
+            missing = sorted(set(args.runs) - set(names))
+            if missing:
+                raise PorosConfigError(
+                    f"No run named {', '.join(missing)} in {args.config}.", f"Runs there: {', '.join(names)}."
+                )
+            cfg["runs"] = [r for r, name in zip(cfg["runs"], names, strict=True) if name in args.runs]
         run_bench(cfg, args.out or cfg.get("out"))
         return 0
     from poros_lightning.bench.report import load_rows, markdown_table, render_html
 
     rows = load_rows(args.jsonl)
+    for cond in args.where:
+        key, sep, value = cond.partition("=")
+        if not sep:
+            raise PorosConfigError(f"--where {cond!r} is not KEY=VALUE.", "Write e.g. --where initial_adapter=host.")
+        rows = [r for r in rows if str(r.get(key)).lower() == value.lower()]
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(render_html(rows))
     print(markdown_table(rows))

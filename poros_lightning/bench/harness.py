@@ -54,18 +54,30 @@ def _step_loop(
     device: str,
     ring: Any = None,
     optimizer_on_host: bool = False,
+    peaks: dict[str, float] | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
     With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
+    ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
+    and of the optimizer update (``update``), over all steps: the profile of where the peak sits.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     host = HostOptimizerState(opt) if optimizer_on_host else None
+    cuda = device == "cuda"
+    phases = peaks if peaks is not None else {}
+    phases.update(forward_backward=0, update=0)
+
+    def phase_end(name: str) -> None:
+        if cuda:  # the allocator's bookkeeping is host-side: no synchronization
+            phases[name] = max(phases[name], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
     times = []
     for i, ids in enumerate(batches):
         ids = ids.to(device, non_blocking=True)
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         if ring is not None and i == warmup:
             ring.time_copies()
@@ -74,14 +86,16 @@ def _step_loop(
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
         del logits
         loss.backward()
+        phase_end("forward_backward")
         if host is not None:
             host.to_device()
         opt.step()
         if host is not None:
             host.to_host()
         opt.zero_grad(set_to_none=True)
+        phase_end("update")
         del loss
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
@@ -100,14 +114,19 @@ def bench_methods(
     warmup: int = 3,
     quantization: str = "nf4-dq",
     blockwise: bool | None = None,
+    compile_layers: bool = False,
 ) -> list[dict[str, Any]]:
     """Build the model once and time each run of ``runs`` on it, in order.
 
     Each run is a dict with ``method`` (one of :data:`METHODS`), an optional ``name``, engine options
-    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``embeddings_on_host``), an optional
+    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``embeddings_on_host``,
+    ``head_on_host``), an optional
     ``optimizer_on_host`` (AdamW state in host memory between steps, as ``PorosStrategy`` does) and an
     optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
-    card; a run that does not fit is recorded with ``"oom": true``). Between runs the adapter is reset
+    card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
+    the planner of ``PorosStrategy(vram_budget=...)`` picks the engine options and ``optimizer_on_host``,
+    and the run is capped at the budget). ``compile_layers``: every run computes with each decoder
+    layer under ``torch.compile`` (:func:`~poros_lightning.compiling.compile_layers`). Between runs the adapter is reset
     and the model returns to resident, so every method trains the same bytes. ``blockwise``: see
     :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
@@ -115,7 +134,12 @@ def bench_methods(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization, blockwise=blockwise)
-    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    if compile_layers:
+        from poros_lightning.compiling import compile_layers as compile_each_layer
+
+        compile_each_layer(model)
+    # The initial adapter waits in host memory: a device copy would count in every run's peak.
+    init = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch_size, seq_len), generator=gen) for _ in range(warmup + steps)]
@@ -130,8 +154,21 @@ def bench_methods(
                 if p.requires_grad:
                     p.copy_(init[n])
         engine_opts = {
-            k: run[k] for k in ("block_size", "prefetch", "resident_blocks", "embeddings_on_host") if k in run
+            k: run[k]
+            for k in ("block_size", "prefetch", "resident_blocks", "embeddings_on_host", "head_on_host")
+            if k in run
         }
+        optimizer_on_host = bool(run.get("optimizer_on_host"))
+        memory_cap = run.get("memory_cap_gb")
+        planned: dict[str, Any] = {}
+        if run.get("vram_budget") is not None:
+            from poros_lightning.planner import parse_bytes, plan_engine
+
+            plan = plan_engine(config, run["vram_budget"], seq_len=seq_len, batch_size=batch_size, lora_r=lora_r)
+            engine_opts.update(plan.engine_kwargs())
+            optimizer_on_host = plan.optimizer_on_host
+            memory_cap = memory_cap or parse_bytes(run["vram_budget"]) / 1e9
+            planned = {"vram_budget": run["vram_budget"], "plan": list(plan.explanation)}
         if method == "resident_gc":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
@@ -148,20 +185,33 @@ def bench_methods(
             "steps": steps,
             "warmup": warmup,
             **engine_opts,
-            "optimizer_on_host": bool(run.get("optimizer_on_host")),
+            "optimizer_on_host": optimizer_on_host,
+            "compile_layers": compile_layers,
+            "initial_adapter": "host",  # rows without this field counted a device copy of it in their peak
+            **planned,
         }
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            if run.get("memory_cap_gb"):
-                torch.cuda.set_per_process_memory_fraction(run["memory_cap_gb"] * 1e9 / total)
-                row["memory_cap_gb"] = run["memory_cap_gb"]
+            if memory_cap:
+                torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap * 1e9 / total))
+                row["memory_cap_gb"] = memory_cap
         engine = engine_of(model)
         loads0 = engine.ring.loads if engine is not None else 0
+        head = engine.host_head if engine is not None else None
+        head0 = head.loads if head is not None else 0
         try:
             ring = engine.ring if engine is not None else None
+            peaks: dict[str, float] = {}
             times = _step_loop(
-                model, batches, warmup, vocab, device, ring, optimizer_on_host=bool(run.get("optimizer_on_host"))
+                model,
+                batches,
+                warmup,
+                vocab,
+                device,
+                ring,
+                optimizer_on_host=optimizer_on_host,
+                peaks=peaks,
             )
             s_per_step = sum(times) / len(times)
             row.update(
@@ -169,13 +219,17 @@ def bench_methods(
                 s_per_step=s_per_step,
                 s_per_step_min=min(times),
                 tokens_per_s=batch_size * seq_len / s_per_step,
-                peak_vram_gb=torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
+                peak_vram_gb=max(peaks.values()) / 1e9 if device == "cuda" else None,
+                peak_forward_backward_gb=peaks["forward_backward"] / 1e9 if device == "cuda" else None,
+                peak_update_gb=peaks["update"] / 1e9 if device == "cuda" else None,
                 peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else None,
                 host_rss_gb=_host_rss(),
             )
             if engine is not None:
                 copies = engine.ring.loads - loads0
                 timed = engine.ring.copy_stats()
+                if head is not None:
+                    row.update(head_loads_per_step=(head.loads - head0) / (warmup + steps), head_mb=head.nbytes / 1e6)
                 row.update(
                     num_blocks=engine.num_blocks,
                     block_mb=engine.store.max_block_bytes / 1e6,

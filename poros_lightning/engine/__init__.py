@@ -5,6 +5,7 @@
 - :mod:`~poros_lightning.engine.block`: graph-preserving recompute of each streamed layer.
 - :mod:`~poros_lightning.engine.engine`: :class:`StreamingEngine`, which ties them to a list of layers.
 - :mod:`~poros_lightning.engine.microbatch`: block-major micro-batches (each block once for all of them).
+- :mod:`~poros_lightning.engine.head`: the LM head's weight in host memory, on the device only while used.
 """
 
 from poros_lightning.engine.block import LayerStreamer

@@ -60,6 +60,7 @@ class LayerStreamer:
         self.ring = ring
         self.recompute = recompute
         self._recomputing = False
+        self.after_last_forward: Callable[[], None] | None = None  # e.g. start copying the LM head
         self._saved: list[tuple[nn.Module, Any]] = []
 
     def install(self) -> None:
@@ -92,6 +93,8 @@ class LayerStreamer:
 
     def _run(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.ring.ensure(self.block_of[index], backward=self._recomputing)
+        if index == len(self.layers) - 1 and not self._recomputing and self.after_last_forward is not None:
+            self.after_last_forward()
         return original(*args, **kwargs)
 
     def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,7 @@ Invariant: while attached, every streamed tensor of layer ``j`` is a view into t
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -132,6 +133,8 @@ class StreamingEngine:
             move_resident(layer, self.device, streamed)
         self.streamer = LayerStreamer(self.layers, self.block_of, self.ring, recompute=self.options.recompute)
         self.streamer.install()
+        self.host_embedding: Any = None  # set by prepare(): modules kept in host memory
+        self.host_head: Any = None
 
     @property
     def num_blocks(self) -> int:

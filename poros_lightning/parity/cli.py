@@ -18,7 +18,7 @@ from poros_lightning.errors import PorosConfigError
 
 __all__ = ["main", "load_parity_config"]
 
-MODES = ("plain", "dropout", "accum", "block_major", "compile")
+MODES = ("plain", "dropout", "accum", "block_major", "compile", "min_memory")
 _KEYS = {
     "model",
     "model_config",

@@ -238,12 +238,13 @@ def run_parity(
     ``mode``: ``"plain"`` (no dropout), ``"dropout"`` (LoRA dropout 0.1), ``"accum"`` (gradient
     accumulation 2 with dropout), ``"block_major"`` (the reference accumulates 3 micro-batches; the
     streamed arm runs them block-major, ``PorosStrategy(micro_batches=3)``), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
-    :mod:`poros_lightning.compiling`). ``blockwise``:
+    :mod:`poros_lightning.compiling`), ``"min_memory"`` (LoRA dropout 0.1; the streamed arm keeps the
+    input embeddings, the LM head's weight and the optimizer moments in host memory). ``blockwise``:
     see :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.strategy import PorosStrategy
 
-    dropout = lora_dropout if lora_dropout is not None else (0.1 if mode in ("dropout", "accum") else 0.0)
+    dropout = lora_dropout if lora_dropout is not None else (0.1 if mode in ("dropout", "accum", "min_memory") else 0.0)
     accum = accumulate if accumulate is not None else (2 if mode == "accum" else 3 if mode == "block_major" else 1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -279,7 +280,12 @@ def run_parity(
     ref = run_arm(SingleDeviceStrategy(device), build, data, steps=steps, accumulate=accum, compile=mode == "compile")
     t1 = time.perf_counter()
     got = run_arm(
-        PorosStrategy(block_size=block_size, prefetch=prefetch, micro_batches=accum if block_major else 1),
+        PorosStrategy(
+            block_size=block_size,
+            prefetch=prefetch,
+            micro_batches=accum if block_major else 1,
+            **(MIN_MEMORY if mode == "min_memory" else {}),
+        ),
         build,
         streamed_data,
         steps=steps,
@@ -316,6 +322,10 @@ def run_parity(
                 f.write(json.dumps({"model": model, "mode": mode, "block_size": block_size, **row}) + "\n")
             f.write(json.dumps(summary) + "\n")
     return result
+
+
+MIN_MEMORY = {"embeddings_on_host": True, "head_on_host": True, "optimizer_on_host": True}
+"""The streamed arm's options in ``min_memory`` mode: everything that can wait in host memory does."""
 
 
 def as_dict(result: ParityResult) -> dict[str, Any]:
