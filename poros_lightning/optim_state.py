@@ -42,7 +42,7 @@ class HostOptimizerState:
     @torch.no_grad()
     def to_host(self) -> int:
         """Copy the state into the host buffers (allocated on first use) and keep those; returns bytes moved."""
-        moved, cuda = 0, False
+        moved, devices = 0, set()
         for param, state, key, value in self._moving():
             buf = self.buffers.get((id(param), key))
             if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
@@ -52,11 +52,12 @@ class HostOptimizerState:
             if buf is not value:
                 # Asynchronous into pinned memory; freeing ``value`` right after is stream-ordered, so safe.
                 buf.copy_(value, non_blocking=buf.is_pinned())
-                cuda = cuda or value.device.type == "cuda"
+                if value.device.type == "cuda":
+                    devices.add(value.device)
                 state[key] = buf
             moved += buf.numel() * buf.element_size()
-        if cuda:
-            torch.cuda.synchronize()  # the host bytes are complete when this returns (checkpoints read them)
+        for device in devices:  # the host bytes are complete when this returns (checkpoints read them)
+            torch.cuda.synchronize(device)
         return moved
 
     @torch.no_grad()

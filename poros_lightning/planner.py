@@ -373,16 +373,19 @@ def plan_engine(
     lora_r: int = 16,
     quantization: str = "nf4-dq",
     lora_targets: Sequence[str] | None = None,
+    head_frozen: bool = True,
 ) -> EnginePlan:
     """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
 
     The smallest plan streams one layer per block through two slots. If that does not fit, the
-    minimum-memory options turn on one by one, each exact, cheapest first: the input embeddings move to
-    host memory (untied models; free), the LM head's weight moves to host memory (untied models; two
-    head copies per step; the weight and the fp32 logits are then never on the device together, which
-    saves ``min(head, 8 bytes x tokens x vocabulary)``), and the optimizer's two moments wait in host
-    memory between steps (two copies of them per step; the update then needs the adapter, its gradient
-    and the moments, with nothing of the forward alive). Memory left over keeps the first blocks resident,
+    minimum-memory options turn on one by one, each exact, in order of copies per byte saved: the input
+    embeddings move to host memory (untied models; no copies but the activations), the optimizer's two
+    moments wait in host memory between steps (two copies of them per step, about two bytes copied per
+    byte saved; the update then needs the adapter, its gradient and the moments, with nothing of the
+    forward alive), and the LM head's weight moves to host memory (untied, frozen heads; two head copies
+    per step, two or more bytes copied per byte saved: the weight and the fp32 logits are then never on
+    the device together, which saves ``min(head, 8 bytes x tokens x vocabulary)``). ``head_frozen=False``
+    (a head trained through ``modules_to_save``) rules the last one out. Memory left over keeps the first blocks resident,
     which saves two copies of each per step (10% of the budget is kept as headroom). Larger blocks are not
     chosen: a layer per block already hides copies behind compute, and smaller slots leave more room for
     resident blocks.
@@ -420,19 +423,19 @@ def plan_engine(
         fwd -= table
         resident_left -= table
         why.append(f"input embeddings in host memory saves {format_bytes(table)}: {format_bytes(need())}")
-    if need() > budget and not tied:
+    if need() > budget and moments:
+        opt_host = True
+        fwd -= moments
+        why.append(
+            f"optimizer moments in host memory (two copies of {format_bytes(moments)} per step): {format_bytes(need())}"
+        )
+    if need() > budget and not tied and head_frozen:
         head_host = True
         saved = min(table, 8 * tokens * int(text["vocab_size"]))
         fwd -= saved
         resident_left -= table
         why.append(
             f"LM head in host memory (two head copies per step) saves {format_bytes(saved)}: {format_bytes(need())}"
-        )
-    if need() > budget and moments:
-        opt_host = True
-        fwd -= moments
-        why.append(
-            f"optimizer moments in host memory (two copies of {format_bytes(moments)} per step): {format_bytes(need())}"
         )
     total = need()
     if total > budget:

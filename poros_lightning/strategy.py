@@ -310,8 +310,11 @@ class PorosStrategy(SingleDeviceStrategy):
                 "PorosStrategy(vram_budget=...) needs the sequence length to plan for.",
                 "Pass PorosStrategy(vram_budget=..., seq_len=N) or use a datamodule with a `seq_len` attribute.",
             )
-        config = peft_model.get_base_model().config.to_dict()
+        base = peft_model.get_base_model()
+        config = base.config.to_dict()
         lora = next(iter(peft_model.peft_config.values()))
+        head = base.get_output_embeddings() if callable(getattr(base, "get_output_embeddings", None)) else None
+        head_frozen = not getattr(getattr(head, "weight", None), "requires_grad", False)
         plan = plan_engine(
             config,
             self.vram_budget,
@@ -323,6 +326,7 @@ class PorosStrategy(SingleDeviceStrategy):
             else self.micro_batches,
             lora_r=int(lora.r),
             quantization=self.quantization,
+            head_frozen=head_frozen,
         )
         for line in plan.explanation:
             log.info("poros plan: %s", line)

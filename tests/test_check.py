@@ -177,7 +177,7 @@ def test_experimental_family_says_it_has_no_gpu_gate(capsys):
 
 
 def test_vram_budget_shows_the_planners_choice(capsys):
-    assert main(["Qwen/Qwen2.5-72B", "--vram-budget", "8GB"]) == 0
+    assert main(["Qwen/Qwen2.5-72B", "--vram-budget", "7GB"]) == 0
     out = capsys.readouterr().out
     assert "planner (PorosStrategy(vram_budget=...)" in out and "LM head in host memory" in out
     assert main(["Qwen/Qwen2.5-72B", "--vram-budget", "4GB"]) == 0

@@ -150,3 +150,52 @@ def test_head_on_host_refuses_a_trained_head() -> None:
         prepare(model, device="cpu", head_on_host=True)
     assert engine_of(model) is None  # refused before anything moved
     assert all("forward" not in layer.__dict__ for layer in model.get_base_model().model.layers)
+
+
+def test_head_on_host_under_autocast_with_an_fp32_head() -> None:
+    """Autocast casts an fp32 head for the matmul; the cast copy is what the graph saves, and it still leaves."""
+
+    def step(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids, use_cache=False).logits
+        loss = logits.float().square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
+
+    def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
+        head = model.get_base_model().lm_head
+        head.weight.data = head.weight.data.float()
+        return model
+
+    ref_loss, ref_grads = step(fp32_head(build_peft_model(lora_dropout=0.0)))
+    model = prepare(fp32_head(build_peft_model(lora_dropout=0.0)), device="cpu", head_on_host=True)
+    loss, grads = step(model)
+    assert torch.equal(ref_loss, loss) and all(torch.equal(a, b) for a, b in zip(ref_grads, grads, strict=True))
+    host_head = engine_of(model).host_head
+    assert host_head.loads == 2 and host_head.host.dtype == torch.float32  # the backward copied it in again
+
+
+def test_head_on_host_follows_a_replaced_weight() -> None:
+    model = prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True)
+    head = model.get_base_model().lm_head
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        head.weight.data = head.weight.data.double()  # e.g. .to(dtype) or load_state_dict(assign=True)
+        model(input_ids=ids, use_cache=False)
+    assert head.weight.dtype == torch.float64 and engine_of(model).host_head.host.dtype == torch.float64
+
+
+def test_a_retained_graph_backs_up_twice() -> None:
+    """backward(retain_graph=True) twice recomputes each streamed layer twice: grads equal the resident ones."""
+
+    def twice(model: torch.nn.Module) -> list[torch.Tensor]:
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(6))
+        loss = model(input_ids=ids, use_cache=False).logits.float().square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad for p in model.parameters() if p.requires_grad]
+
+    ref = twice(build_peft_model(lora_dropout=0.0))
+    got = twice(prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))

@@ -44,6 +44,8 @@ def _block_major(fault: str | None = None, head_on_host: bool = False) -> tuple[
     prepare(model, device="cpu", block_size=1, head_on_host=head_on_host)
     total, _ = micro_batch_mean(token_loss, K, model(input_ids=IDS, use_cache=False).logits, IDS)
     total.backward()  # a plain backward: .grad is complete when it returns
+    if head_on_host:  # one copy for the forward of all micro-batches, one shared by their backwards
+        assert engine_of(model).host_head.loads == 2
     return _grads(model), engine_of(model).ring.loads
 
 

@@ -62,9 +62,9 @@ def test_min_memory_mode_is_gated_with_its_options_in_effect(tmp_path: Path, mon
     calls = {"head": 0, "optimizer": 0}
     fetch, to_host = HostHead._fetch, HostOptimizerState.to_host
 
-    def counting_fetch(self: HostHead) -> object:
+    def counting_fetch(self: HostHead, *args: object) -> object:
         calls["head"] += 1
-        return fetch(self)
+        return fetch(self, *args)
 
     def counting_to_host(self: HostOptimizerState) -> int:
         calls["optimizer"] += 1

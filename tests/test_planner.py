@@ -7,7 +7,7 @@ import math
 import pytest
 
 from poros_lightning.arch import known_config
-from poros_lightning.errors import PorosConfigError
+from poros_lightning.errors import PorosConfigError, PorosOOMError
 from poros_lightning.planner import format_bytes, parse_bytes, plan_memory, quantized_weight_bytes
 
 # Qwen2.5-7B shapes: hidden 3584, intermediate 18944, 28 layers, 28 query heads / 4 KV heads of dim 128.
@@ -189,14 +189,18 @@ def test_plan_engine_fills_the_budget_and_names_the_minimum():
     assert isinstance(err.value, MemoryError)
 
 
-def test_plan_engine_turns_on_minimum_memory_options_cheapest_first():
+def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     from poros_lightning.arch.known import known_config
     from poros_lightning.planner import plan_engine
 
     cfg = known_config("Qwen/Qwen2.5-72B")
-    roomy, tight = plan_engine(cfg, "12GB"), plan_engine(cfg, "8GB")
+    roomy, medium, tight = plan_engine(cfg, "12GB"), plan_engine(cfg, "8GB"), plan_engine(cfg, "7GB")
     assert not (roomy.embeddings_on_host or roomy.head_on_host or roomy.optimizer_on_host)
+    assert medium.embeddings_on_host and medium.optimizer_on_host and not medium.head_on_host  # moments first
     assert tight.embeddings_on_host and tight.head_on_host and tight.optimizer_on_host
+    assert not plan_engine(cfg, "7.7GB", head_frozen=False).head_on_host  # a trained head stays
+    with pytest.raises(PorosOOMError, match="vram_budget >= 7.61 GB"):
+        plan_engine(cfg, "7GB", head_frozen=False)
     assert tight.engine_kwargs()["head_on_host"] and "optimizer_on_host" not in tight.engine_kwargs()
     assert any("LM head in host memory" in line for line in tight.explanation)
     middle = plan_engine(known_config("Qwen/Qwen2.5-32B"), "6GB")  # embeddings alone suffice

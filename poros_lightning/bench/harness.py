@@ -60,18 +60,20 @@ def _step_loop(
 
     With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
     ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
-    and of the optimizer update (``update``), over all steps: the profile of where the peak sits.
+    and of the optimizer update (``update``), over all steps: the profile of where the peak sits; and the
+    peak the caching allocator reserved (``reserved``).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     host = HostOptimizerState(opt) if optimizer_on_host else None
     cuda = device == "cuda"
     phases = peaks if peaks is not None else {}
-    phases.update(forward_backward=0, update=0)
+    phases.update(forward_backward=0, update=0, reserved=0)
 
     def phase_end(name: str) -> None:
         if cuda:  # the allocator's bookkeeping is host-side: no synchronization
             phases[name] = max(phases[name], torch.cuda.max_memory_allocated())
+            phases["reserved"] = max(phases["reserved"], torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
 
     times = []
@@ -164,7 +166,14 @@ def bench_methods(
         if run.get("vram_budget") is not None:
             from poros_lightning.planner import parse_bytes, plan_engine
 
-            plan = plan_engine(config, run["vram_budget"], seq_len=seq_len, batch_size=batch_size, lora_r=lora_r)
+            plan = plan_engine(
+                config,
+                run["vram_budget"],
+                seq_len=seq_len,
+                batch_size=batch_size,
+                lora_r=lora_r,
+                quantization=quantization,
+            )
             engine_opts.update(plan.engine_kwargs())
             optimizer_on_host = plan.optimizer_on_host
             memory_cap = memory_cap or parse_bytes(run["vram_budget"]) / 1e9
@@ -219,10 +228,10 @@ def bench_methods(
                 s_per_step=s_per_step,
                 s_per_step_min=min(times),
                 tokens_per_s=batch_size * seq_len / s_per_step,
-                peak_vram_gb=max(peaks.values()) / 1e9 if device == "cuda" else None,
+                peak_vram_gb=max(peaks["forward_backward"], peaks["update"]) / 1e9 if device == "cuda" else None,
                 peak_forward_backward_gb=peaks["forward_backward"] / 1e9 if device == "cuda" else None,
                 peak_update_gb=peaks["update"] / 1e9 if device == "cuda" else None,
-                peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else None,
+                peak_reserved_gb=peaks["reserved"] / 1e9 if device == "cuda" else None,
                 host_rss_gb=_host_rss(),
             )
             if engine is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +42,19 @@ from poros_lightning.errors import PorosConfigError
 __all__ = ["LayerStreamer"]
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
+
+
+class _Recomputing:
+    """Marks the streamer as recomputing while entered; re-entrant, unlike a generator context."""
+
+    def __init__(self, streamer: LayerStreamer) -> None:
+        self.streamer = streamer
+
+    def __enter__(self) -> None:
+        self.streamer._recomputing = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.streamer._recomputing = False
 
 
 class LayerStreamer:
@@ -80,16 +93,9 @@ class LayerStreamer:
                 layer.forward = previous
         self._saved = []
 
-    @contextlib.contextmanager
-    def _recompute_context(self) -> Iterator[None]:
-        self._recomputing = True
-        try:
-            yield
-        finally:
-            self._recomputing = False
-
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return contextlib.nullcontext(), self._recompute_context()
+        # The recompute context is entered once per backward that reaches the layer (twice with retain_graph).
+        return contextlib.nullcontext(), _Recomputing(self)
 
     def _run(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.ring.ensure(self.block_of[index], backward=self._recomputing)

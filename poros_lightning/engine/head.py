@@ -42,18 +42,37 @@ def check_frozen_head(module: nn.Module) -> None:
     if module.weight.requires_grad:
         raise PorosConfigError(
             "head_on_host keeps a frozen LM head in host memory, but this head's weight is trained "
-            "(LoRA on lm_head, or modules_to_save).",
-            "Drop head_on_host, or leave the LM head out of the adapter's target_modules / modules_to_save.",
+            "(modules_to_save, or requires_grad=True).",
+            "Drop head_on_host, or leave the LM head's weight out of modules_to_save (LoRA on it is fine).",
         )
+
+
+class _Group:
+    """The saved views of one head forward: they share one copy of the weight in the backward."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype  # the autocast dtype the forward computed in (None: the weight's own)
+        self.pending = 0  # views packed and not unpacked yet
+        self.weight: torch.Tensor | None = None  # the backward's copy, while views still need it
 
 
 @dataclass(frozen=True)
 class _HeadView:
     """Where a saved tensor sat inside the head weight's storage."""
 
+    group: _Group
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+def _autocast_dtype(weight: torch.Tensor, device: torch.device) -> torch.dtype | None:
+    """The dtype autocast would cast ``weight`` to in a linear layer, if it would cast it at all."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind) or not weight.is_floating_point():
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    return dtype if dtype != weight.dtype else None
 
 
 class HostHead:
@@ -78,18 +97,23 @@ class HostHead:
             for name, buf in list(sub._buffers.items()):
                 if buf is not None:
                     sub._buffers[name] = buf.to(device)
-        host = weight.detach().to("cpu", copy=True)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        self.host = host
-        weight.data = host  # between uses the parameter reads the host copy
+        self.host = self._adopt(weight)
         self.loads = 0  # copies issued; tests and benchmarks read it
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        self._storage: int | None = None  # data_ptr of the device copy the running forward reads
+        self._group: _Group | None = None  # the running forward's views
+        self._storage: int | None = None  # data_ptr of the device weight the running forward reads
         self._previous = module.__dict__.get("forward")
         self._original = module.forward
         module.forward = self._forward
         module._poros_on_host = True  # resident-part moves skip this module
+
+    def _adopt(self, weight: torch.Tensor) -> torch.Tensor:
+        """Make a (pinned) host copy of ``weight``'s bytes the parameter's data between uses."""
+        host = weight.detach().to("cpu", copy=True)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        weight.data = host
+        return host
 
     @property
     def nbytes(self) -> int:
@@ -112,36 +136,49 @@ class HostHead:
             dev.copy_(self.host, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(stream)
+        dev.record_stream(stream)  # freed early (a prefetch never used), it is not reused mid-copy
         return dev, ready
 
     @torch.no_grad()
-    def _fetch(self) -> torch.Tensor:
+    def _fetch(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dev, ready = self._pending if self._pending is not None else self._issue(None)
         self._pending = None
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        return dev
+        # Under autocast a linear layer casts its weight; casting here instead gives the same bytes, and
+        # the tensor the layer saves is then a view of this one (Note: [the saved weight]).
+        return dev.to(dtype) if dtype is not None else dev
 
     def _pack(self, saved: torch.Tensor) -> Any:
-        if self._storage is not None and saved.untyped_storage().data_ptr() == self._storage:
-            return _HeadView(tuple(saved.size()), tuple(saved.stride()), saved.storage_offset())
+        group = self._group
+        if group is not None and saved.untyped_storage().data_ptr() == self._storage:
+            group.pending += 1
+            return _HeadView(group, tuple(saved.size()), tuple(saved.stride()), saved.storage_offset())
         return saved
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _HeadView):
-            return self._fetch().as_strided(packed.size, packed.stride, packed.offset)
-        return packed
+        if not isinstance(packed, _HeadView):
+            return packed
+        group = packed.group
+        weight = group.weight if group.weight is not None else self._fetch(group.dtype)
+        group.pending -= 1
+        # Views of one forward (block-major micro-batches save one each) share one copy.
+        group.weight = weight if group.pending > 0 else None
+        return weight.as_strided(packed.size, packed.stride, packed.offset)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         weight = self.module.weight
-        dev = self._fetch()
+        if weight.data.data_ptr() != self.host.data_ptr():  # replaced since (load_state_dict, .to(dtype))
+            self.host = self._adopt(weight)
+        group = _Group(_autocast_dtype(self.host, self.device))
+        dev = self._fetch(group.dtype)
         weight.data = dev
-        self._storage = dev.untyped_storage().data_ptr()
+        self._group, self._storage = group, dev.untyped_storage().data_ptr()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self._original(*args, **kwargs)
         finally:
-            self._storage = None
+            self._group = self._storage = None
             weight.data = self.host
 
     def detach(self, device: torch.device | str) -> None:
@@ -150,6 +187,8 @@ class HostHead:
             self.module.__dict__.pop("forward", None)
         else:
             self.module.forward = self._previous
+        if self._pending is not None and self._pending[1] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending[1])
         self._pending = None
         self.module.weight.data = self.host.to(device, copy=True)
         self.module.__dict__.pop("_poros_on_host", None)
