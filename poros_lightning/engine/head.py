@@ -16,7 +16,10 @@ Note: [the saved weight]
     when the backward unpacks it, the weight is copied in again and the same view is rebuilt. The graph,
     its nodes and their kernels are those of the resident head (the trick non-reentrant checkpointing
     uses for activations, applied to one frozen weight). Once the node has run, nothing references the
-    copy and the allocator reclaims it.
+    copy and the allocator reclaims it. Two refinements keep that true: under autocast the weight is cast
+    to the autocast dtype when it is copied in (the cast autocast would do, so the same bytes), because
+    the layer saves the cast tensor, not the weight; and the views saved by one forward (block-major
+    micro-batches save one per micro-batch) share a single copy in the backward.
 
 Note: [prefetch]
     The forward's copy can start while the last decoder block computes (:meth:`HostHead.prefetch`, on
