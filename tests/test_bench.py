@@ -54,3 +54,27 @@ def test_bench_config_rejects_unknown_keys(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"runs": [{"method": "poros"}], "seqlen": 5}))
     with pytest.raises(PorosConfigError, match="seqlen"):
         load_bench_config(path)
+
+
+def test_rounds_interleave_the_methods(tmp_path: Path) -> None:
+    cfg = {
+        "model_config": tiny_config(),
+        "seq_lens": [8],
+        "lora_r": 4,
+        "steps": 1,
+        "warmup": 1,
+        "rounds": 2,
+        "runs": [{"method": "resident_gc"}, {"method": "poros"}],
+        "out": str(tmp_path / "bench.jsonl"),
+    }
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["round"]) for r in rows] == [
+        ("resident_gc", 0),
+        ("poros", 0),
+        ("resident_gc", 1),
+        ("poros", 1),
+    ]
+    assert len({r["run_id"] for r in rows}) == 1

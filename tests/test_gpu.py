@@ -68,3 +68,30 @@ def test_bench_7b_resident_vs_streamed(tmp_path: Path) -> None:
     assert by["poros"]["peak_vram_gb"] < by["resident_gc"]["peak_vram_gb"]
     # the copies run at (close to) the pinned bandwidth measured in the same run
     assert by["poros"]["h2d_copy_gbps"] > 0.8 * h2d
+
+
+def test_min_memory_7b_parity_and_peak(tmp_path: Path) -> None:
+    """Embeddings, LM head and optimizer moments in host memory: exact, and the peak drops by about the head."""
+    from poros_lightning.bench.harness import bench_methods
+    from poros_lightning.parity.runner import run_parity
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    config = known_config("Qwen/Qwen2.5-7B")  # untied: the head can leave the device
+    result = run_parity(
+        config,
+        model="Qwen/Qwen2.5-7B (random init)",
+        scale="7B",
+        steps=int(os.environ.get("POROS_GPU_STEPS", "5")),
+        mode="min_memory",
+        seq_len=512,
+        out=_artifacts(tmp_path, "validation", "parity_qwen2.5-7b_min_memory.jsonl"),
+    )
+    assert result.equal, result.first_mismatch
+    runs = [
+        {"method": "poros", "name": "poros_min", "embeddings_on_host": True},
+        {"method": "poros", "name": "poros_min_head", "embeddings_on_host": True, "head_on_host": True},
+    ]
+    by = {r["method"]: r for r in bench_methods(config, runs, seq_len=512, lora_r=16, steps=3, warmup=2)}
+    head_gb = config["vocab_size"] * config["hidden_size"] * 2 / 1e9
+    assert by["poros_min_head"]["head_loads_per_step"] == 2
+    assert by["poros_min"]["peak_vram_gb"] - by["poros_min_head"]["peak_vram_gb"] > 0.5 * head_gb

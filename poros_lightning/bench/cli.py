@@ -27,6 +27,7 @@ _KEYS = {
     "out",
     "build",
     "compile_layers",
+    "rounds",
 }
 _BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
@@ -68,10 +69,15 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
     h2d = measure_h2d()
     run_id = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"  # rows of one process share it
     rows = []
+    rounds = int(cfg.get("rounds", 1))
+    if rounds < 1:
+        raise PorosConfigError(f"rounds must be >= 1, got {rounds}.", "Use rounds: 1 (default) or more.")
+    # Several rounds interleave the methods (A B A B ...): a drift of the machine hits all of them alike.
+    runs = [{**run, "round": i} for i in range(rounds) for run in cfg["runs"]] if rounds > 1 else cfg["runs"]
     for seq_len in cfg.get("seq_lens", [512]):
         for row in bench_methods(
             config,
-            cfg["runs"],
+            runs,
             seq_len=int(seq_len),
             batch_size=int(cfg.get("batch_size", 1)),
             lora_r=int(cfg.get("lora_r", 16)),

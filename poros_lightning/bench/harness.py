@@ -197,6 +197,7 @@ def bench_methods(
             "optimizer_on_host": optimizer_on_host,
             "compile_layers": compile_layers,
             "initial_adapter": "host",  # rows without this field counted a device copy of it in their peak
+            **({"round": run["round"]} if "round" in run else {}),
             **planned,
         }
         if device == "cuda":
