@@ -43,6 +43,7 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
     rows = {r["method"]: r for r in map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())}
     assert list(rows) == ["resident", "resident_gc", "poros", "poros_min", "poros_planned"]
     assert all(r["s_per_step"] > 0 and not r["oom"] for r in rows.values())
+    assert all(0 < r["host_issue_s_per_step"] <= r["s_per_step"] for r in rows.values())
     assert rows["poros_min"]["head_loads_per_step"] == 2 and rows["poros_min"]["optimizer_on_host"]
     assert rows["poros"]["loads_per_step"] > 0 and "head_loads_per_step" not in rows["poros"]
     assert rows["poros_planned"]["plan"][-1].startswith("budget 4.00 GB")

@@ -55,13 +55,17 @@ def _step_loop(
     ring: Any = None,
     optimizer_on_host: bool = False,
     peaks: dict[str, float] | None = None,
+    issued: list[float] | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
     With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
     ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
     and of the optimizer update (``update``), over all steps: the profile of where the peak sits; and the
-    peak the caching allocator reserved (``reserved``).
+    peak the caching allocator reserved (``reserved``). ``issued`` receives, for each timed step, the
+    seconds the host took to issue it (until the final synchronization): close to the step time when the
+    step is bound by the host launching kernels rather than by the GPU (host waits inside the step, such
+    as ``optimizer_on_host``'s synchronization, count as issuing).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -97,10 +101,13 @@ def _step_loop(
         opt.zero_grad(set_to_none=True)
         phase_end("update")
         del loss
+        done_issuing = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
+            if issued is not None:
+                issued.append(done_issuing - t)
     opt.state.clear()
     return times
 
@@ -213,6 +220,7 @@ def bench_methods(
         try:
             ring = engine.ring if engine is not None else None
             peaks: dict[str, float] = {}
+            issued: list[float] = []
             times = _step_loop(
                 model,
                 batches,
@@ -222,12 +230,14 @@ def bench_methods(
                 ring,
                 optimizer_on_host=optimizer_on_host,
                 peaks=peaks,
+                issued=issued,
             )
             s_per_step = sum(times) / len(times)
             row.update(
                 oom=False,
                 s_per_step=s_per_step,
                 s_per_step_min=min(times),
+                host_issue_s_per_step=sum(issued) / len(issued),
                 tokens_per_s=batch_size * seq_len / s_per_step,
                 peak_vram_gb=max(peaks["forward_backward"], peaks["update"]) / 1e9 if device == "cuda" else None,
                 peak_forward_backward_gb=peaks["forward_backward"] / 1e9 if device == "cuda" else None,
