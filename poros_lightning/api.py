@@ -83,10 +83,7 @@ class HostEmbedding:
 
 def _host_embedding(base: nn.Module, embed_path: str, head_path: str, device: torch.device) -> HostEmbedding | None:
     embed = resolve(base, embed_path)
-    try:
-        head = resolve(base, head_path)
-    except Exception:  # a model without a head module: nothing can be tied
-        head = None
+    head = _resolve_or_none(base, head_path)  # a model without a head module: nothing can be tied
     if head is not None and getattr(head, "weight", None) is embed.weight:
         log.info("poros: embeddings are tied to the LM head; keeping them on %s.", device)
         return None

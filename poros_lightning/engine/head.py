@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from poros_lightning.engine.engine import move_resident
 from poros_lightning.errors import PorosConfigError
 
 __all__ = ["HostHead", "check_frozen_head"]
@@ -93,13 +94,7 @@ class HostHead:
         self.copy_stream = copy_stream if device.type == "cuda" else None
         check_frozen_head(module)
         weight = module.weight
-        for sub in module.modules():  # everything but the weight (a bias, buffers) lives on the device
-            for param in sub._parameters.values():
-                if param is not None and param is not weight:
-                    param.data = param.data.to(device)
-            for name, buf in list(sub._buffers.items()):
-                if buf is not None:
-                    sub._buffers[name] = buf.to(device)
+        move_resident(module, device, frozenset({id(weight)}))  # a bias, buffers: on the device
         self.host = self._adopt(weight)
         self.loads = 0  # copies issued; tests and benchmarks read it
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
