@@ -108,8 +108,23 @@ def _host_head(base: nn.Module, embed_path: str, head_path: str, engine: Streami
         return None
     ring = engine.ring
     host_head = HostHead(head, engine.device, ring.copy_stream if ring.use_streams else None)
-    engine.streamer.after_last_forward = host_head.prefetch  # the copy overlaps the last block's compute
+    host_head.schedule(len(engine.layers), engine.store.max_block_bytes / engine.options.block_size)
+    engine.streamer.on_forward.append(host_head.on_layer_forward)  # Note: [prefetch] in engine.head
     return host_head
+
+
+def _check_no_shared_kv(base: nn.Module) -> None:
+    """Refuse kept activations on a model whose layers share keys and values (Note: [kept activations])."""
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    if shared:
+        raise PorosConfigError(
+            f"This {getattr(config, 'model_type', 'model')} shares keys and values between layers "
+            f"(num_kv_shared_layers={shared}); a layer that keeps its activations would be differentiated "
+            "before its block is reloaded.",
+            "Use keep_activations=0 (the default) for this model: its layers recompute, which is exact.",
+        )
 
 
 def prepare(
@@ -122,6 +137,7 @@ def prepare(
     pin_memory: bool = True,
     use_streams: bool = True,
     resident_blocks: int = 0,
+    keep_activations: int = 0,
     embeddings_on_host: bool = False,
     head_on_host: bool = False,
     allow_unlisted_arch: bool = False,
@@ -143,6 +159,9 @@ def prepare(
         pin_memory: page-lock the host store (CUDA only).
         use_streams: copy on a side CUDA stream (ignored on CPU, where copies are synchronous).
         resident_blocks: the first blocks stay on the device (copied once) when memory allows.
+        keep_activations: the last ``keep_activations`` decoder layers keep their activations until the
+            backward instead of recomputing them (exact; fewer kernels per step, more memory). A number
+            >= the layer count keeps every layer's.
         embeddings_on_host: keep the input embedding table in host memory; rows are gathered on the
             host and only the activations are copied (exact: a lookup is a copy). Ignored, with a log
             line, when the embeddings are tied to the LM head.
@@ -173,7 +192,10 @@ def prepare(
         pin_memory=pin_memory,
         use_streams=use_streams,
         resident_blocks=resident_blocks,
+        keep_activations=keep_activations,
     )
+    if keep_activations:
+        _check_no_shared_kv(base)
     quant.disable_cpu_repacking(model)
     refs = [list(quant.streamable_tensors(layer)) for layer in layers]
     if not any(refs):

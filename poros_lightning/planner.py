@@ -124,6 +124,8 @@ class MemoryPlan:
             dequantized weight in flight, the boundary gradients, and the logits (bf16, fp32 upcast, fp32 grad).
         activation_resident_bytes: estimate for a resident run without gradient checkpointing.
         activation_resident_gc_bytes: estimate for a resident run with per-layer gradient checkpointing.
+        activation_layer_bytes: estimate: what the largest decoder layer saves when it keeps its activations
+            (``keep_activations``) instead of recomputing them.
         streamed_vram_min: resident + LoRA + ``slots`` block slots + streamed activations.
         resident_vram: NF4 base + resident + LoRA + activations without checkpointing.
         resident_vram_gc: the same with gradient checkpointing.
@@ -166,20 +168,23 @@ class MemoryPlan:
     min_budget: int | None = None
     max_block_size: int | None = None
     notes: tuple[str, ...] = ()
+    activation_layer_bytes: int = 0
 
 
 def _layer_activation_per_token(layer: LayerShape, targets: frozenset[str], hidden: int) -> int:
-    """Estimated bytes one token leaves saved in one decoder layer's autograd graph.
+    """Estimated bytes one token leaves saved in one decoder layer's autograd graph (LoRA over a frozen base).
 
-    bf16 input and output of every linear; the fp32 copy of each adapted linear's input that the LoRA path
-    computes on (PEFT runs adapters in fp32 over a 4-bit base); two elementwise intermediates as wide as the
-    widest projection (the gated MLP); the fp32 upcasts of two RMSNorms.
+    A frozen (4-bit or bf16) matmul saves nothing of its input: only the weight is needed for the input
+    gradient. PEFT's LoRA path saves an fp32 copy of each adapted linear's input (the adapters compute in
+    fp32). The gated MLP saves three bf16 tensors as wide as the widest projection (the activation's input
+    and output, the up projection); attention saves its queries, keys and values (repeated to the query
+    heads) and its output, about four bf16 hidden widths; the two RMSNorms save their fp32 inputs. At
+    Qwen2.5-7B, seq 512, this gives 170 MB per layer; the H200 measured 162 MB (``keep_activations`` rows of
+    docs/benchmarks/qwen2.5-7b.jsonl).
     """
-    sum_in = sum(lin.in_features for lin in layer.linears)
-    sum_out = sum(lin.out_features for lin in layer.linears)
     adapted_in = sum(lin.in_features for lin in layer.linears if lin.name in targets)
     widest = max(lin.out_features for lin in layer.linears)
-    return _BF16 * (sum_in + sum_out) + 4 * adapted_in + 2 * _BF16 * widest + 2 * 4 * hidden
+    return 4 * adapted_in + 3 * _BF16 * widest + 4 * _BF16 * hidden + 2 * 4 * hidden
 
 
 def _default_targets(model_type: str) -> tuple[str, ...]:
@@ -320,6 +325,7 @@ def plan_memory(
         min_budget=min_budget,
         max_block_size=max_block,
         notes=shapes.notes,
+        activation_layer_bytes=max(layer_act),
     )
 
 
@@ -331,6 +337,7 @@ class EnginePlan:
         block_size: decoder layers per block.
         prefetch: blocks copied ahead.
         resident_blocks: leading blocks kept on the device (copied once).
+        keep_activations: last decoder layers that keep their activations (no recompute).
         embeddings_on_host: keep the input embedding table in host memory.
         head_on_host: keep the LM head's weight in host memory, copied in for its forward and backward.
         optimizer_on_host: keep the optimizer's moments in host memory between steps.
@@ -348,6 +355,7 @@ class EnginePlan:
     explanation: tuple[str, ...]
     head_on_host: bool = False
     optimizer_on_host: bool = False
+    keep_activations: int = 0
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The options ``prepare`` takes (``optimizer_on_host`` belongs to the precision plugin)."""
@@ -355,6 +363,7 @@ class EnginePlan:
             "block_size": self.block_size,
             "prefetch": self.prefetch,
             "resident_blocks": self.resident_blocks,
+            "keep_activations": self.keep_activations,
             "embeddings_on_host": self.embeddings_on_host,
             "head_on_host": self.head_on_host,
         }
@@ -374,6 +383,7 @@ def plan_engine(
     quantization: str = "nf4-dq",
     lora_targets: Sequence[str] | None = None,
     head_frozen: bool = True,
+    keep_activations: bool = True,
 ) -> EnginePlan:
     """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
 
@@ -385,10 +395,16 @@ def plan_engine(
     forward alive), and the LM head's weight moves to host memory (untied, frozen heads; two head copies
     per step, two or more bytes copied per byte saved: the weight and the fp32 logits are then never on
     the device together, which saves ``min(head, 8 bytes x tokens x vocabulary)``). ``head_frozen=False``
-    (a head trained through ``modules_to_save``) rules the last one out. Memory left over keeps the first blocks resident,
-    which saves two copies of each per step (10% of the budget is kept as headroom). Larger blocks are not
-    chosen: a layer per block already hides copies behind compute, and smaller slots leave more room for
-    resident blocks.
+    (a head trained through ``modules_to_save``) rules the last one out.
+
+    Memory left over (10% of the budget is kept as headroom) goes first to the last layers' activations
+    (``keep_activations``: each kept layer skips its recompute, one layer forward fewer per step, which pays
+    whether the step is bound by compute or by kernel launches), and what is left after that (every layer
+    kept, or less than one more layer's activations) to resident blocks (the first blocks, copied once: two
+    copies fewer each per step, which pays only where copies are not hidden). ``keep_activations=False``, and
+    models whose layers share keys and values (which cannot keep them), spend it all on resident blocks.
+    Larger blocks are not chosen: a layer per block already hides copies behind compute, and smaller slots
+    leave more room for the rest.
 
     Raises:
         PorosOOMError: even the smallest plan does not fit; the message gives the smallest budget that would.
@@ -445,10 +461,25 @@ def plan_engine(
             f"Use vram_budget >= {format_bytes(total)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
         )
     spare = int(budget * 0.9) - total  # 10% headroom for allocator fragmentation and estimate error
-    resident = min(plan.num_blocks - 2, spare // plan.per_block_bytes) if plan.per_block_bytes else 0
+    kept = 0
+    if int(text.get("num_kv_shared_layers") or 0):
+        keep_activations = False  # refused by prepare(): a later layer's backward reads an earlier layer's K/V
+    if keep_activations and plan.activation_layer_bytes and spare > 0:
+        kept = min(plan.num_layers, spare // plan.activation_layer_bytes)
+        spare -= kept * plan.activation_layer_bytes
+        fwd += kept * plan.activation_layer_bytes
+        total = need()
+        if kept:
+            why.append(
+                f"the last {kept} of {plan.num_layers} layers keep their activations (no recompute, "
+                f"{format_bytes(plan.activation_layer_bytes)} each): {format_bytes(total)}"
+            )
+    resident = min(plan.num_blocks - 2, spare // plan.per_block_bytes) if plan.per_block_bytes and spare > 0 else 0
     resident = max(int(resident), 0)
     total += resident * plan.per_block_bytes
     if resident:
         why.append(f"{resident} of {plan.num_blocks} blocks stay resident (copied once): {format_bytes(total)}")
     why.append(f"budget {format_bytes(budget)}, estimated peak {format_bytes(total)}")
-    return EnginePlan(1, 1, resident, embed_host, total, budget, tuple(why), head_host, opt_host)
+    return EnginePlan(
+        1, 1, resident, embed_host, total, budget, tuple(why), head_host, opt_host, keep_activations=int(kept)
+    )

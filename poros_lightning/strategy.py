@@ -71,11 +71,15 @@ class PorosStrategy(SingleDeviceStrategy):
         pin_memory: page-lock the host copy of the base (CUDA only).
         use_streams: copy on a side CUDA stream (``False``: synchronous copies, for debugging).
         resident_blocks: leading blocks kept on the device (copied once per run instead of twice a step).
+        keep_activations: the last ``keep_activations`` decoder layers keep their activations until the
+            backward instead of recomputing them: exact, one layer forward fewer per step each (faster when
+            the step is bound by kernel launches, short sequences), for the memory of their activations.
+            A number >= the layer count keeps every layer's; ``vram_budget`` plans it.
         embeddings_on_host: keep the input embedding table in host memory (exact; untied models).
         head_on_host: keep the LM head's weight in host memory, copied in for the head's forward and
             backward only (exact; untied models; two head copies per step).
-        vram_budget: a GPU memory budget (``"8GB"``, bytes): the planner chooses ``resident_blocks``,
-            ``embeddings_on_host``, ``optimizer_on_host`` and ``head_on_host`` to fit it, logs its plan,
+        vram_budget: a GPU memory budget (``"8GB"``, bytes): the planner chooses ``keep_activations``,
+            ``resident_blocks``, ``embeddings_on_host``, ``optimizer_on_host`` and ``head_on_host`` to fit it, logs its plan,
             and raises ``PorosOOMError`` naming the smallest budget that would fit when nothing does.
             Overrides those options.
         seq_len: sequence length the budget is planned for; by default the datamodule's ``seq_len``.
@@ -109,6 +113,7 @@ class PorosStrategy(SingleDeviceStrategy):
         micro_batches: int = 1,
         head_on_host: bool = False,
         optimizer_on_host: bool = False,
+        keep_activations: int = 0,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
@@ -145,6 +150,7 @@ class PorosStrategy(SingleDeviceStrategy):
             pin_memory=pin_memory,
             use_streams=use_streams,
             resident_blocks=resident_blocks,
+            keep_activations=keep_activations,
             embeddings_on_host=embeddings_on_host,
             head_on_host=head_on_host,
             allow_unlisted_arch=allow_unlisted_arch,

@@ -284,6 +284,8 @@ class PorosDDPStrategy(DDPStrategy):
             forward and backward only (exact; untied models).
         micro_batch_order: replace the ``DistributedSampler`` Lightning injects with a
             :class:`MicroBatchSampler` (rank ``r`` gets micro-batches ``r, r + N, ...``).
+        keep_activations: the last decoder layers that keep their activations instead of recomputing
+            them (see :class:`~poros_lightning.PorosStrategy`).
         allow_dropout: train with dropout anyway; ranks then draw different masks than one process
             would, so the run is not bitwise equal to single-process accumulation.
         process_group_backend: ``"nccl"`` (CUDA) or ``"gloo"`` (CPU); Lightning's default otherwise.
@@ -310,6 +312,7 @@ class PorosDDPStrategy(DDPStrategy):
         head_on_host: bool = False,
         micro_batch_order: bool = True,
         allow_dropout: bool = False,
+        keep_activations: int = 0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -339,6 +342,7 @@ class PorosDDPStrategy(DDPStrategy):
             pin_memory=pin_memory,
             use_streams=use_streams,
             resident_blocks=resident_blocks,
+            keep_activations=keep_activations,
             embeddings_on_host=embeddings_on_host,
             head_on_host=head_on_host,
             allow_unlisted_arch=allow_unlisted_arch,

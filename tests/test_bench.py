@@ -34,6 +34,7 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
                 "optimizer_on_host": True,
             },
             {"method": "poros", "name": "poros_planned", "vram_budget": "4GB"},
+            {"method": "poros", "name": "poros_keep", "keep_activations": 4},
         ],
         "out": str(tmp_path / "bench.jsonl"),
     }
@@ -41,13 +42,17 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg))
     assert main(["run", str(path)]) == 0
     rows = {r["method"]: r for r in map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())}
-    assert list(rows) == ["resident", "resident_gc", "poros", "poros_min", "poros_planned"]
+    assert list(rows) == ["resident", "resident_gc", "poros", "poros_min", "poros_planned", "poros_keep"]
     assert all(r["s_per_step"] > 0 and not r["oom"] for r in rows.values())
     assert all(0 < r["host_issue_s_per_step"] <= r["s_per_step"] for r in rows.values())
     assert rows["poros_min"]["head_loads_per_step"] == 2 and rows["poros_min"]["optimizer_on_host"]
     assert rows["poros"]["loads_per_step"] > 0 and "head_loads_per_step" not in rows["poros"]
     assert rows["poros_planned"]["plan"][-1].startswith("budget 4.00 GB")
     assert rows["poros_planned"]["resident_blocks"] == 2  # a tiny model: all but the two ring blocks stay
+    assert rows["poros_planned"]["keep_activations"] == 4  # and every layer keeps its activations
+    assert rows["poros_keep"]["keep_activations"] == 4
+    for r in rows.values():  # the GPU split of the step (CUDA events) is absent on CPU, not made up
+        assert "forward_s_per_step" not in r
 
 
 def test_bench_config_rejects_unknown_keys(tmp_path: Path) -> None:
@@ -79,3 +84,20 @@ def test_rounds_interleave_the_methods(tmp_path: Path) -> None:
         ("poros", 1),
     ]
     assert len({r["run_id"] for r in rows}) == 1
+
+
+def test_report_ratio_table_averages_rounds_within_a_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = [
+        {"run_id": "a", "model": "m", "seq_len": 8, "method": "base", "s_per_step": 1.0, "peak_vram_gb": 2.0},
+        {"run_id": "a", "model": "m", "seq_len": 8, "method": "fast", "s_per_step": 0.5, "peak_vram_gb": 1.0},
+        {"run_id": "a", "model": "m", "seq_len": 8, "method": "base", "s_per_step": 3.0, "peak_vram_gb": 2.0},
+        {"run_id": "a", "model": "m", "seq_len": 8, "method": "fast", "s_per_step": 1.5, "peak_vram_gb": 1.5},
+        {"run_id": "b", "model": "m", "seq_len": 8, "method": "fast", "s_per_step": 9.0},  # no baseline in run b
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert main(["report", str(path), "-o", str(tmp_path / "r.html"), "--ratio-to", "base"]) == 0
+    out = capsys.readouterr().out
+    assert "| m | 8 | base | 2 | 2.000 | 1.000..3.000 | 2.000 | 1.000 |" in out
+    assert "| m | 8 | fast | 2 | 1.000 | 0.500..1.500 | 1.500 | 0.500 |" in out
+    assert "9.000" not in out.split("x base")[1]

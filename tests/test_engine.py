@@ -177,13 +177,21 @@ def test_head_on_host_under_autocast_with_an_fp32_head() -> None:
 
 
 def test_head_on_host_follows_a_replaced_weight() -> None:
-    model = prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True)
-    head = model.get_base_model().lm_head
+    """A weight replaced between steps (``.to(dtype)``, ``load_state_dict(assign=True)``) is the one computed with."""
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        head.weight.data = head.weight.data.double()  # e.g. .to(dtype) or load_state_dict(assign=True)
-        model(input_ids=ids, use_cache=False)
-    assert head.weight.dtype == torch.float64 and engine_of(model).host_head.host.dtype == torch.float64
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        head = model.get_base_model().lm_head
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)  # a first forward (it may leave a prefetched copy)
+            head.weight.data = head.weight.data * 2  # new memory, new bytes
+            return model(input_ids=ids, use_cache=False).logits
+
+    ref = logits(build_peft_model(lora_dropout=0.0))
+    model = prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True)
+    assert torch.equal(ref, logits(model))
+    head = model.get_base_model().lm_head
+    assert head.weight.data_ptr() == engine_of(model).host_head.host.data_ptr()
 
 
 def test_a_retained_graph_backs_up_twice() -> None:
@@ -199,3 +207,136 @@ def test_a_retained_graph_backs_up_twice() -> None:
     ref = twice(build_peft_model(lora_dropout=0.0))
     got = twice(prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True))
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+@pytest.mark.parametrize("keep", [2, 4, 100])
+def test_kept_activations_equal_resident(reference: dict, keep: int) -> None:
+    """Layers that keep their activations skip the recompute; every surface stays exact."""
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", block_size=1, keep_activations=keep)
+    engine = engine_of(model)
+    assert engine.options.keep_activations == min(keep, 4)
+    layers = model.get_base_model().model.layers
+    calls = [0] * len(layers)
+    for j, layer in enumerate(layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, j=j: calls.__setitem__(j, calls[j] + 1))
+    got = train_loop(model)
+    assert differences(reference, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+    kept = min(keep, 4)
+    assert calls == [2 * 3] * (4 - kept) + [3] * kept  # the kept layers ran one forward per step
+    assert engine.ring.loads == 6 + 4 + 4  # the backward still reloads every block that left its slot
+
+
+def test_kept_activations_wrong_slot_negative_control(reference: dict) -> None:
+    """Without a recompute the backward still reads the slot: a reload into the wrong one breaks the grads."""
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", block_size=1, keep_activations=4)
+    engine_of(model).ring.fault = "wrong_slot"
+    got = train_loop(model)
+    assert torch.equal(reference["loss"][0], got["loss"][0])
+    diff = differences(reference, got)
+    assert diff["grads"] > 0 and diff["adapter"] > 0
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_reload_precedes_a_frozen_linear_without_lora(keep: int) -> None:
+    """LoRA on q/v only: down_proj's backward saves nothing, and is the layer's first backward node.
+
+    The output-gradient hook reloads the block before it (Note: [reload at the output's gradient]); the
+    wrong-slot control shows those bytes are what the gradients read.
+    """
+    targets = ["q_proj", "v_proj"]
+    ref = train_loop(build_peft_model(lora_dropout=0.0, targets=targets))
+    model = prepare(build_peft_model(lora_dropout=0.0, targets=targets), device="cpu", keep_activations=keep)
+    assert differences(ref, train_loop(model)) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+    broken = prepare(build_peft_model(lora_dropout=0.0, targets=targets), device="cpu", keep_activations=keep)
+    engine_of(broken).ring.fault = "wrong_slot"
+    assert differences(ref, train_loop(broken))["grads"] > 0
+
+
+def test_kept_activations_validated_and_refused_with_shared_kv() -> None:
+    from test_arch import SHAPE_VARIANTS
+
+    from poros_lightning.errors import PorosConfigError
+
+    with pytest.raises(PorosConfigError, match="keep_activations must be >= 0"):
+        prepare(build_peft_model(), device="cpu", keep_activations=-1)
+    cfg = dict(SHAPE_VARIANTS["gemma4_text_kv_shared"])
+    model = build_peft_model(cfg, lora_dropout=0.0, targets=["q_proj", "v_proj"])
+    with pytest.raises(PorosConfigError, match="(?s)num_kv_shared_layers=2.*HINT: Use keep_activations=0"):
+        prepare(model, device="cpu", keep_activations=2)
+    assert engine_of(model) is None  # refused before anything moved
+
+
+def test_a_dropped_store_unregisters_its_pinned_arenas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note: [unpin before free]: a store collected without release() still unregisters what it registered."""
+    import gc
+
+    from poros_lightning.engine import store as store_module
+
+    unregistered: list[int] = []
+
+    class FakeCudart:
+        def cudaHostUnregister(self, ptr: int) -> int:
+            unregistered.append(ptr)
+            return 0
+
+    monkeypatch.setattr(store_module, "_cuda_pin", lambda arena: True)
+    monkeypatch.setattr(store_module.torch.cuda, "cudart", lambda: FakeCudart())
+    model = build_peft_model(lora_dropout=0.0)
+    layers = model.get_base_model().model.layers
+    from poros_lightning import quant
+
+    refs = [list(quant.streamable_tensors(layer)) for layer in layers]
+    host = store_module.HostStore([store_module.Layout.of(r) for r in refs], pin_memory=False)
+    host.pin_memory = True  # as on a CUDA machine
+    pointers = [host.fill(block).data_ptr() for block in range(len(host))]
+    del host
+    gc.collect()
+    assert sorted(unregistered) == sorted(pointers)
+    released = store_module.HostStore([store_module.Layout.of(r) for r in refs], pin_memory=False)
+    released.pin_memory = True
+    for block in range(len(released)):
+        released.fill(block)
+    released.release()
+    count = len(unregistered)
+    del released
+    gc.collect()
+    assert len(unregistered) == count == 2 * len(pointers)  # release() unregistered once; the finalizer found nothing
+
+
+def test_a_deep_copied_store_leaves_the_original_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import copy
+    import gc
+
+    from poros_lightning import quant
+    from poros_lightning.engine import store as store_module
+
+    unregistered: list[int] = []
+
+    class FakeCudart:
+        def cudaHostUnregister(self, ptr: int) -> int:
+            unregistered.append(ptr)
+            return 0
+
+    monkeypatch.setattr(store_module, "_cuda_pin", lambda arena: True)
+    monkeypatch.setattr(store_module.torch.cuda, "cudart", lambda: FakeCudart())
+    layers = build_peft_model(lora_dropout=0.0).get_base_model().model.layers
+    host = store_module.HostStore([store_module.Layout.of(list(quant.streamable_tensors(x))) for x in layers])
+    host.pin_memory = True
+    pointers = [host.fill(block).data_ptr() for block in range(len(host))]
+    clone = copy.deepcopy(host)
+    clone.release()
+    del clone
+    gc.collect()
+    assert unregistered == []  # the copy registered nothing, so it unregisters nothing
+    host.release()
+    assert sorted(unregistered) == sorted(pointers)
+
+
+def test_kept_activations_are_not_planned_for_shared_kv_models() -> None:
+    from test_arch import SHAPE_VARIANTS
+
+    from poros_lightning.planner import plan_engine
+
+    cfg = dict(SHAPE_VARIANTS["gemma4_text_kv_shared"])
+    assert plan_engine(cfg, "8GB", seq_len=16, lora_r=4).keep_activations == 0
+    assert plan_engine(tiny_config(), "8GB", seq_len=16, lora_r=4).keep_activations == 4

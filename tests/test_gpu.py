@@ -95,3 +95,107 @@ def test_min_memory_7b_parity_and_peak(tmp_path: Path) -> None:
     head_gb = config["vocab_size"] * config["hidden_size"] * 2 / 1e9
     assert by["poros_min_head"]["head_loads_per_step"] == 2
     assert by["poros_min"]["peak_vram_gb"] - by["poros_min_head"]["peak_vram_gb"] > 0.5 * head_gb
+
+
+def _slow_copies(monkeypatch: pytest.MonkeyPatch, cycles: int = 20_000_000) -> None:
+    """Delay every block copy on the copy stream (``torch.cuda._sleep``): a missing wait then reads stale bytes."""
+    from poros_lightning.engine.slots import SlotRing
+
+    copy = SlotRing._copy
+
+    def slow(self: SlotRing, block: int, slot: int) -> None:
+        if self.use_streams:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(cycles)
+        copy(self, block, slot)
+
+    monkeypatch.setattr(SlotRing, "_copy", slow)
+
+
+def _qv_grads(keep: int | None, steps: int = 3) -> list[list[torch.Tensor]]:
+    """Per-step LoRA grads of a small Qwen2 with LoRA on q/v only (``keep=None``: resident)."""
+    from poros_lightning import prepare
+    from poros_lightning.parity.build import build_peft_model
+
+    cfg = dict(
+        model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = build_peft_model(cfg, device="cuda", lora_r=8, target_modules=["q_proj", "v_proj"])
+    if keep is not None:
+        model = prepare(model, device="cuda", keep_activations=keep)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    grads = []
+    for _ in range(steps):
+        ids = torch.randint(0, 512, (1, 128), generator=gen).cuda()
+        logits = model(input_ids=ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+        grads.append([p.grad.detach().clone() for p in params])
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    return grads
+
+
+@pytest.mark.parametrize("keep", [0, 6])
+def test_reload_is_ordered_before_a_frozen_linear_under_slow_copies(keep: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA on q/v only, copies slowed down: the first backward node of a layer (a frozen 4-bit down_proj,
+    which saves nothing) still waits for its block (Note: [reload at the output's gradient])."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    ref = _qv_grads(None)
+    _slow_copies(monkeypatch)
+    got = _qv_grads(keep)
+    assert all(torch.equal(a, b) for ra, ga in zip(ref, got, strict=True) for a, b in zip(ra, ga, strict=True))
+
+
+def test_slow_copies_negative_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the output-gradient reload, the same slowed copies make the q/v-only gradients wrong."""
+    from poros_lightning.engine.block import LayerStreamer
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    ref = _qv_grads(None)
+    _slow_copies(monkeypatch)
+    monkeypatch.setattr(LayerStreamer, "_hook_output", lambda self, index, out: out)
+    got = _qv_grads(0)
+    assert not all(torch.equal(a, b) for ra, ga in zip(ref, got, strict=True) for a, b in zip(ra, ga, strict=True))
+
+
+def test_keep_activations_7b_parity_and_speed(tmp_path: Path) -> None:
+    """Every layer keeps its activations (no recompute): exact with dropout, faster, more memory."""
+    from poros_lightning.bench.harness import bench_methods
+    from poros_lightning.parity.runner import run_parity
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    config = known_config("Qwen/Qwen2.5-7B")
+    result = run_parity(
+        config,
+        model="Qwen/Qwen2.5-7B (random init)",
+        scale="7B",
+        steps=int(os.environ.get("POROS_GPU_STEPS", "5")),
+        mode="keep_activations",
+        seq_len=512,
+        out=_artifacts(tmp_path, "validation", "parity_qwen2.5-7b_keep_activations.jsonl"),
+    )
+    assert result.equal, result.first_mismatch
+    torch.use_deterministic_algorithms(False)
+    runs = [{"method": "poros"}, {"method": "poros", "name": "poros_keep", "keep_activations": 28}]
+    by = {r["method"]: r for r in bench_methods(config, runs, seq_len=512, lora_r=16, steps=4, warmup=2)}
+    assert by["poros_keep"]["s_per_step"] < by["poros"]["s_per_step"]
+    assert by["poros_keep"]["peak_vram_gb"] > by["poros"]["peak_vram_gb"]
+
+
+def test_a_dropped_prepared_model_leaves_no_registration_behind() -> None:
+    """Note: [unpin before free]: prepare, drop without unprepare, prepare again: no CUDA error later."""
+    import gc
+
+    for _ in range(3):
+        grads = _qv_grads(0, steps=1)  # each call prepares a model and drops it
+        del grads
+        gc.collect()
+    torch.cuda.synchronize()
+    torch.zeros(1, device="cuda").add_(1)  # a later launch reports no stale error

@@ -78,3 +78,23 @@ def test_min_memory_mode_is_gated_with_its_options_in_effect(tmp_path: Path, mon
     (summary,) = [r for r in rows if r.get("summary")]
     assert summary["mode"] == "min_memory" and summary["lora_dropout"] == 0.1 and summary["equal"]
     assert calls["head"] >= 4 and calls["optimizer"] == 2  # two head copies and one state round trip per step
+
+
+def test_keep_activations_mode_is_gated_without_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed arm's layers keep their activations: equal with dropout, and nothing is recomputed."""
+    from poros_lightning.engine import block
+
+    recomputes = []
+    contexts = block.LayerStreamer._contexts
+
+    def counting_contexts(self: block.LayerStreamer) -> object:
+        recomputes.append(self.keep_from)
+        return contexts(self)
+
+    monkeypatch.setattr(block.LayerStreamer, "_contexts", counting_contexts)
+    path = _config(tmp_path, steps=2, block_sizes=[1], modes=["keep_activations"])
+    assert main(["--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in rows if r.get("summary")]
+    assert summary["mode"] == "keep_activations" and summary["lora_dropout"] == 0.1 and summary["equal"]
+    assert recomputes == []  # no layer of the streamed arm ran under checkpoint

@@ -56,3 +56,12 @@ def test_family_streamed_equals_resident(model_type: str) -> None:
     model = prepare(_build(model_type), device="cpu", block_size=1)
     got = train_loop(model, steps=2, vocab=VOCAB)
     assert differences(ref, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_5_text", "llama"])
+def test_family_kept_activations_equal_resident(model_type: str) -> None:
+    """Every layer keeps its activations (no recompute): per-layer-type masks and linear attention too."""
+    ref = train_loop(_build(model_type), steps=2, vocab=VOCAB)
+    model = prepare(_build(model_type), device="cpu", block_size=1, keep_activations=100)
+    got = train_loop(model, steps=2, vocab=VOCAB)
+    assert differences(ref, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}

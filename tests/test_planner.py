@@ -182,7 +182,10 @@ def test_plan_engine_fills_the_budget_and_names_the_minimum():
     cfg = known_config("Qwen/Qwen2.5-7B")
     small, large = plan_engine(cfg, "4GB"), plan_engine(cfg, "16GB")
     assert small.embeddings_on_host and not large.embeddings_on_host
-    assert 0 < small.resident_blocks < large.resident_blocks <= 26
+    # spare memory keeps activations first (the last layers), then blocks resident
+    assert 0 < small.keep_activations < large.keep_activations == 28 and small.resident_blocks == 0
+    assert 0 < large.resident_blocks <= 26
+    assert plan_engine(cfg, "16GB", keep_activations=False).resident_blocks == 26
     assert small.vram_estimate <= 0.9 * small.vram_budget
     with pytest.raises(PorosOOMError, match="vram_budget >= ") as err:
         plan_engine(known_config("Qwen/Qwen2.5-72B"), "4GB")

@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument(
         "--where", action="append", default=[], metavar="KEY=VALUE", help="keep rows whose field KEY is VALUE"
     )
+    rep.add_argument(
+        "--ratio-to",
+        metavar="METHOD",
+        help="also print each method's mean s/step over its rounds and its ratio to METHOD's in the same run",
+    )
     args = p.parse_args(argv)
     if args.command == "run":
         cfg = load_bench_config(args.config)
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg["runs"] = [r for r, name in zip(cfg["runs"], names, strict=True) if name in args.runs]
         run_bench(cfg, args.out or cfg.get("out"))
         return 0
-    from poros_lightning.bench.report import load_rows, markdown_table, render_html
+    from poros_lightning.bench.report import load_rows, markdown_table, ratio_table, render_html
 
     rows = load_rows(args.jsonl)
     for cond in args.where:
@@ -149,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(render_html(rows))
     print(markdown_table(rows))
+    if args.ratio_to:
+        print()
+        print(ratio_table(rows, args.ratio_to))
     print(f"\nwrote {args.output}")
     return 0
 

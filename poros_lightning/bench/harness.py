@@ -56,6 +56,7 @@ def _step_loop(
     optimizer_on_host: bool = False,
     peaks: dict[str, float] | None = None,
     issued: list[float] | None = None,
+    split: dict[str, list[float]] | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -65,7 +66,9 @@ def _step_loop(
     peak the caching allocator reserved (``reserved``). ``issued`` receives, for each timed step, the
     seconds the host took to issue it (until the final synchronization): close to the step time when the
     step is bound by the host launching kernels rather than by the GPU (host waits inside the step, such
-    as ``optimizer_on_host``'s synchronization, count as issuing).
+    as ``optimizer_on_host``'s synchronization, count as issuing). ``split`` (CUDA) receives, for each timed
+    step, the GPU seconds of its ``forward`` (model and loss), ``backward`` and ``update``, from CUDA events
+    on the compute stream: where a streamed step spends the time a resident one does not.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -87,11 +90,18 @@ def _step_loop(
             torch.cuda.synchronize()
         if ring is not None and i == warmup:
             ring.time_copies()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
         t = time.perf_counter()
+        if marks:
+            marks[0].record()
         logits = model(input_ids=ids, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
         del logits
+        if marks:
+            marks[1].record()
         loss.backward()
+        if marks:
+            marks[2].record()
         phase_end("forward_backward")
         if host is not None:
             host.to_device()
@@ -99,6 +109,8 @@ def _step_loop(
         if host is not None:
             host.to_host()
         opt.zero_grad(set_to_none=True)
+        if marks:
+            marks[3].record()
         phase_end("update")
         del loss
         done_issuing = time.perf_counter()
@@ -108,6 +120,11 @@ def _step_loop(
             times.append(time.perf_counter() - t)
             if issued is not None:
                 issued.append(done_issuing - t)
+            if split is not None and marks:
+                for name, (a, b) in zip(
+                    ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
+                ):
+                    split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
     opt.state.clear()
     return times
 
@@ -128,8 +145,8 @@ def bench_methods(
     """Build the model once and time each run of ``runs`` on it, in order.
 
     Each run is a dict with ``method`` (one of :data:`METHODS`), an optional ``name``, engine options
-    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``embeddings_on_host``,
-    ``head_on_host``), an optional
+    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``keep_activations``,
+    ``embeddings_on_host``, ``head_on_host``), an optional
     ``optimizer_on_host`` (AdamW state in host memory between steps, as ``PorosStrategy`` does) and an
     optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
     card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
@@ -164,7 +181,14 @@ def bench_methods(
                     p.copy_(init[n])
         engine_opts = {
             k: run[k]
-            for k in ("block_size", "prefetch", "resident_blocks", "embeddings_on_host", "head_on_host")
+            for k in (
+                "block_size",
+                "prefetch",
+                "resident_blocks",
+                "keep_activations",
+                "embeddings_on_host",
+                "head_on_host",
+            )
             if k in run
         }
         optimizer_on_host = bool(run.get("optimizer_on_host"))
@@ -221,6 +245,7 @@ def bench_methods(
             ring = engine.ring if engine is not None else None
             peaks: dict[str, float] = {}
             issued: list[float] = []
+            split: dict[str, list[float]] = {}
             times = _step_loop(
                 model,
                 batches,
@@ -231,6 +256,7 @@ def bench_methods(
                 optimizer_on_host=optimizer_on_host,
                 peaks=peaks,
                 issued=issued,
+                split=split,
             )
             s_per_step = sum(times) / len(times)
             row.update(
@@ -238,6 +264,7 @@ def bench_methods(
                 s_per_step=s_per_step,
                 s_per_step_min=min(times),
                 host_issue_s_per_step=sum(issued) / len(issued),
+                **{f"{name}_s_per_step": sum(v) / len(v) for name, v in split.items()},
                 tokens_per_s=batch_size * seq_len / s_per_step,
                 peak_vram_gb=max(peaks["forward_backward"], peaks["update"]) / 1e9 if device == "cuda" else None,
                 peak_forward_backward_gb=peaks["forward_backward"] / 1e9 if device == "cuda" else None,

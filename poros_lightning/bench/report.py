@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_rows", "markdown_table", "render_html"]
+__all__ = ["load_rows", "markdown_table", "ratio_table", "render_html"]
 
 _COLUMNS = (
     ("model", "model"),
@@ -58,6 +58,42 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of ``rows`` (the README and docs embed its output)."""
     lines = ["| " + " | ".join(h for _, h in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def ratio_table(rows: list[dict[str, Any]], baseline: str) -> str:
+    """Mean s/step of each method over its rounds, and its ratio to ``baseline``'s mean in the same run.
+
+    Rows are grouped by ``run_id`` and ``seq_len`` (one process, one model build): ratios are only taken
+    within a group, and with interleaved rounds (A B A B ...) a drift of the machine weighs on every method.
+    Groups without a ``baseline`` row are left out.
+    """
+    groups: dict[tuple[Any, Any], dict[str, list[dict[str, Any]]]] = {}
+    for row in rows:
+        if row.get("s_per_step") is None:
+            continue
+        key = (row.get("run_id"), row.get("seq_len"))
+        groups.setdefault(key, {}).setdefault(row["method"], []).append(row)
+    header = ("model", "seq", "method", "rounds", "mean s/step", "min..max s/step", "peak VRAM GB", f"x {baseline}")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for methods in groups.values():
+        if baseline not in methods:
+            continue
+        base = sum(r["s_per_step"] for r in methods[baseline]) / len(methods[baseline])
+        for method, runs in methods.items():
+            times = [r["s_per_step"] for r in runs]
+            mean = sum(times) / len(times)
+            cells = (
+                runs[0].get("model"),
+                runs[0].get("seq_len"),
+                method,
+                len(runs),
+                mean,
+                f"{_fmt(min(times))}..{_fmt(max(times))}",
+                max(r.get("peak_vram_gb") or 0.0 for r in runs),
+                mean / base,
+            )
+            lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     return "\n".join(lines)
 
 

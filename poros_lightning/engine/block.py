@@ -18,6 +18,24 @@ Note: [reload before recompute]
     ``i % S``) in place. Reloading elsewhere leaves the graph reading another block's bytes: the loss
     stays exact and the gradients go wrong (the ``wrong_slot`` negative control tests exactly this).
 
+Note: [reload at the output's gradient]
+    The backward of layer ``j`` begins when the gradient of its output is complete; a hook on that
+    output calls :meth:`SlotRing.ensure` for ``j``'s block before any of the layer's backward nodes
+    runs. The recompute alone is not enough to order the reload: it starts at the first node that
+    unpacks a saved activation, and a frozen 4-bit linear without a LoRA branch (``target_modules``
+    without ``down_proj``, say) saves nothing, so its node could read the slot before the compute
+    stream waits for the copy. The same hook is what reloads a layer that keeps its activations
+    (Note: [kept activations]).
+
+Note: [kept activations]
+    With ``keep_activations=n`` the last ``n`` decoder layers run their forward plainly: the graph keeps
+    what it saves, and the backward differentiates it without a recompute, after the output hook has
+    put the block back in its slot. The kernels, bytes and RNG draws are those of the resident run (the
+    recompute of the other layers replays exactly those), so the result is the same; the layers cost one
+    forward fewer per step and hold their activations until their backward. Layers that share keys and
+    values with a later layer are refused: the later layer's backward reaches the earlier layer's
+    projections before that layer's output hook runs.
+
 Note: [layers stay where they are]
     The decoder layers are not moved or renamed: each layer's ``forward`` is wrapped in place, so the
     model's module tree, ``state_dict`` keys and PEFT adapter names are those of the resident model.
@@ -34,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from poros_lightning.engine.slots import SlotRing
@@ -64,16 +83,19 @@ class LayerStreamer:
         layers: the decoder layers, in execution order.
         block_of: block index of each layer.
         ring: the slot ring holding the blocks.
-        recompute: drop activations in the forward and recompute them in the backward.
+        keep_activations: the last ``keep_activations`` layers keep their activations (no recompute);
+            the others drop them in the forward and recompute them in the backward.
     """
 
-    def __init__(self, layers: list[nn.Module], block_of: list[int], ring: SlotRing, recompute: bool = True) -> None:
+    def __init__(self, layers: list[nn.Module], block_of: list[int], ring: SlotRing, keep_activations: int = 0) -> None:
         self.layers = layers
         self.block_of = block_of
         self.ring = ring
-        self.recompute = recompute
+        self.keep_from = len(layers) - min(keep_activations, len(layers))  # first layer that keeps them
         self._recomputing = False
-        self.after_last_forward: Callable[[], None] | None = None  # e.g. start copying the LM head
+        # Called with the layer's index at each layer's forward (not its recompute), after its block's
+        # copies are queued: e.g. to queue a piece of the LM head's copy behind them.
+        self.on_forward: list[Callable[[int], None]] = []
         self._saved: list[tuple[nn.Module, Any]] = []
 
     def install(self) -> None:
@@ -99,13 +121,28 @@ class LayerStreamer:
 
     def _run(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.ring.ensure(self.block_of[index], backward=self._recomputing)
-        if index == len(self.layers) - 1 and not self._recomputing and self.after_last_forward is not None:
-            self.after_last_forward()
+        if not self._recomputing:
+            for callback in self.on_forward:
+                callback(index)
         return original(*args, **kwargs)
 
+    def _reload(self, block: int, grad: torch.Tensor) -> None:
+        # Note: [reload at the output's gradient]
+        self.ring.ensure(block, backward=True)
+
+    def _hook_output(self, index: int, out: Any) -> Any:
+        # Every output tensor (hidden states, and whatever else a layer returns) reloads the block.
+        reload = functools.partial(self._reload, self.block_of[index])
+        for leaf in tree_leaves(out):
+            if torch.is_tensor(leaf) and leaf.requires_grad:
+                leaf.register_hook(reload)
+        return out
+
     def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not (self.recompute and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():
             return self._run(index, original, *args, **kwargs)
+        if index >= self.keep_from:  # Note: [kept activations]
+            return self._hook_output(index, self._run(index, original, *args, **kwargs))
         for name in _CACHE_KWARGS:
             cache = kwargs.get(name)
             if cache is not None and kwargs.get("use_cache", True):
@@ -114,7 +151,7 @@ class LayerStreamer:
                     "recompute in the backward would write to the cache a second time.",
                     "Call the model with use_cache=False when training (prepare() sets config.use_cache=False).",
                 )
-        return checkpoint(
+        out = checkpoint(
             self._run,
             index,
             original,
@@ -124,3 +161,4 @@ class LayerStreamer:
             context_fn=self._contexts,
             **kwargs,
         )
+        return self._hook_output(index, out)

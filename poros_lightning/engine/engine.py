@@ -31,7 +31,9 @@ class EngineOptions:
         num_slots: device slots in the ring; ``None`` means ``prefetch + 1``, the minimum.
         pin_memory: page-lock the host store (CUDA only) for full-bandwidth asynchronous copies.
         use_streams: copy on a side CUDA stream; ``False`` runs the synchronous path (always on CPU).
-        recompute: drop each layer's activations in the forward and recompute them in the backward.
+        keep_activations: the last ``keep_activations`` decoder layers keep their activations from the
+            forward to the backward instead of recomputing them (exact; one forward fewer per layer and
+            step, for the memory of their activations). A number >= the layer count keeps them all.
         resident_blocks: the first blocks get a device slot of their own and are copied once (fewer
             copies per step when memory allows; the first block then never waits at a step's start).
     """
@@ -41,7 +43,7 @@ class EngineOptions:
     num_slots: int | None = None
     pin_memory: bool = True
     use_streams: bool = True
-    recompute: bool = True
+    keep_activations: int = 0
     resident_blocks: int = 0
 
     def validate(self, num_layers: int) -> EngineOptions:
@@ -50,6 +52,11 @@ class EngineOptions:
         if self.resident_blocks < 0:
             raise PorosConfigError(
                 f"resident_blocks must be >= 0, got {self.resident_blocks}.", "Use resident_blocks=0 (default) or more."
+            )
+        if self.keep_activations < 0:
+            raise PorosConfigError(
+                f"keep_activations must be >= 0, got {self.keep_activations}.",
+                "Use keep_activations=0 (recompute every layer, the default) or the number of last layers to keep.",
             )
         if self.prefetch < 1:
             raise PorosConfigError(f"prefetch must be >= 1, got {self.prefetch}.", "Use prefetch=1 (default) or more.")
@@ -63,7 +70,10 @@ class EngineOptions:
                 f"num_slots={self.num_slots} cannot hold the computing block plus prefetch={self.prefetch} blocks.",
                 f"Use num_slots >= {self.prefetch + 1} or a smaller prefetch.",
             )
-        return EngineOptions(**{**asdict(self), "num_slots": slots, "resident_blocks": resident})
+        keep = min(self.keep_activations, num_layers)
+        return EngineOptions(
+            **{**asdict(self), "num_slots": slots, "resident_blocks": resident, "keep_activations": keep}
+        )
 
 
 def move_resident(module: nn.Module, device: torch.device, streamed: set[int] | frozenset[int] = frozenset()) -> None:
@@ -131,7 +141,9 @@ class StreamingEngine:
             self.ring.bind(block)  # drops the last reference to the original tensors
         for layer in self.layers:
             move_resident(layer, self.device, streamed)
-        self.streamer = LayerStreamer(self.layers, self.block_of, self.ring, recompute=self.options.recompute)
+        self.streamer = LayerStreamer(
+            self.layers, self.block_of, self.ring, keep_activations=self.options.keep_activations
+        )
         self.streamer.install()
         self.host_embedding: Any = None  # set by prepare(): modules kept in host memory
         self.host_head: Any = None

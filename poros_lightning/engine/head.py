@@ -22,9 +22,15 @@ Note: [the saved weight]
     micro-batches save one per micro-batch) share a single copy in the backward.
 
 Note: [prefetch]
-    The forward's copy can start while the last decoder block computes (:meth:`HostHead.prefetch`, on
-    the copy stream); the backward's copy cannot overlap anything useful (the loss's backward is tiny)
-    and runs when the node asks for it: at 55 GB/s a 7B head costs about 20 ms per step, a 72B head 45 ms.
+    The forward's copy is spread over the last decoder layers' forwards: with ``k`` = head bytes / layer
+    bytes, each of the last ``k`` layers queues ``1/k`` of the head on the copy stream behind its block's
+    prefetch (:meth:`HostHead.on_layer_forward`). Queued at once, the whole head would hold up the next
+    block's copy behind it (one copy stream, one block of prefetch) and stall the compute for about the
+    head's copy time; in pieces, the copy stream's work per layer grows by one layer's bytes, which a
+    layer's compute hides whenever it takes twice a layer's copy. The weight then occupies the device
+    during those layers' forwards, where less is allocated than at the head (no logits yet). The
+    backward's copy cannot overlap anything useful (the loss's backward is tiny) and runs when the
+    node asks for it: at 55 GB/s a 7B head costs about 20 ms per step, a 72B head 45 ms.
 """
 
 from __future__ import annotations
@@ -98,6 +104,9 @@ class HostHead:
         self.host = self._adopt(weight)
         self.loads = 0  # copies issued; tests and benchmarks read it
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._issued = 0  # bytes of the pending copy queued so far (it is complete at self.nbytes)
+        self._pieces: dict[int, int] = {}  # layer index -> bytes of the prefetch queued up to it (schedule())
+        self._layers: tuple[int, float] | None = None  # schedule()'s arguments
         self._group: _Group | None = None  # the running forward's views
         self._storage: int | None = None  # data_ptr of the device weight the running forward reads
         self._previous = module.__dict__.get("forward")
@@ -107,39 +116,70 @@ class HostHead:
 
     def _adopt(self, weight: torch.Tensor) -> torch.Tensor:
         """Make a (pinned) host copy of ``weight``'s bytes the parameter's data between uses."""
-        host = weight.detach().to("cpu", copy=True)
+        host = weight.detach().to("cpu", copy=True).contiguous()  # copied in byte ranges (Note: [prefetch])
         if self.device.type == "cuda":
             host = host.pin_memory()
         weight.data = host
+        self.host = host
+        if getattr(self, "_layers", None):
+            self.schedule(*self._layers)  # the pieces follow the new size
         return host
 
     @property
     def nbytes(self) -> int:
         return self.host.numel() * self.host.element_size()
 
-    @torch.no_grad()
-    def prefetch(self) -> None:
-        """Start copying the weight to the device (on the copy stream) unless a copy is pending already."""
-        if self._pending is None:
-            self._pending = self._issue(self.copy_stream)
+    def schedule(self, num_layers: int, layer_bytes: float) -> None:
+        """Spread the forward's copy over the last ``ceil(head bytes / layer_bytes)`` of ``num_layers`` layers."""
+        self._layers = (num_layers, layer_bytes)
+        if self.copy_stream is None or num_layers < 1:
+            self._pieces = {}
+            return
+        k = max(1, min(num_layers, -(-self.nbytes // max(int(layer_bytes), 1))))
+        start = num_layers - k
+        self._pieces = {start + i: self.nbytes * (i + 1) // k for i in range(k)}
 
-    def _issue(self, stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        dev = torch.empty_like(self.host, device=self.device)  # allocated in the compute stream's order
+    def on_layer_forward(self, index: int) -> None:
+        """Queue this layer's piece of the head's copy (Note: [prefetch])."""
+        upto = self._pieces.get(index)
+        if upto is not None:
+            self.prefetch(upto)
+
+    @torch.no_grad()
+    def prefetch(self, upto: int | None = None) -> None:
+        """Queue the head's copy on the copy stream, up to byte ``upto`` (default: all of it)."""
+        if self.copy_stream is None:
+            return
+        upto = self.nbytes if upto is None else min(upto, self.nbytes)
+        if self._pending is None:
+            dev = torch.empty_like(self.host, device=self.device)  # allocated in the compute stream's order
+            dev.record_stream(self.copy_stream)  # freed early (a prefetch never used), it is not reused mid-copy
+            self._pending, self._issued = (dev, torch.cuda.Event()), 0
+            self.loads += 1
+            # The memory's previous user is done (stream-ordered allocation on the compute stream).
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        dev, ready = self._pending
+        if upto <= self._issued:
+            return
+        src, dst = self.host.view(-1).view(torch.uint8), dev.view(-1).view(torch.uint8)
+        with torch.cuda.stream(self.copy_stream):
+            dst[self._issued : upto].copy_(src[self._issued : upto], non_blocking=True)
+            ready.record(self.copy_stream)
+        self._issued = upto
+
+    def _copy_now(self) -> torch.Tensor:
+        dev = torch.empty_like(self.host, device=self.device)
+        dev.copy_(self.host, non_blocking=self.device.type == "cuda")
         self.loads += 1
-        if stream is None:
-            dev.copy_(self.host, non_blocking=self.device.type == "cuda")
-            return dev, None
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the memory's previous user is done
-        with torch.cuda.stream(stream):
-            dev.copy_(self.host, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        dev.record_stream(stream)  # freed early (a prefetch never used), it is not reused mid-copy
-        return dev, ready
+        return dev
 
     @torch.no_grad()
     def _fetch(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dev, ready = self._pending if self._pending is not None else self._issue(None)
+        if self._pending is not None:
+            self.prefetch()  # the pieces not queued yet (a forward that skipped layers)
+            dev, ready = self._pending
+        else:
+            dev, ready = self._copy_now(), None
         self._pending = None
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
@@ -168,6 +208,7 @@ class HostHead:
         weight = self.module.weight
         if weight.data.data_ptr() != self.host.data_ptr():  # replaced since (load_state_dict, .to(dtype))
             self.host = self._adopt(weight)
+            self._pending = None  # a prefetch of the old bytes
         group = _Group(_autocast_dtype(self.host, self.device))
         dev = self._fetch(group.dtype)
         weight.data = dev

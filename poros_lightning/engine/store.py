@@ -15,13 +15,24 @@ Note: [arenas from outside]
     one host hold one copy of the base). It may report an arena as already holding the block's bytes
     (written by another process that built the same model); the store then skips the copy. Either
     way the arena is pinned in place like an arena of our own.
+
+Note: [unpin before free]
+    A registration outlives the memory it covers if the memory is freed first: a prepared model dropped
+    without ``unprepare`` would leave its arenas registered, the allocator would hand the same addresses
+    out again, and the next ``cudaHostRegister`` over them fails; the failed call's error code then
+    surfaces in an unrelated CUDA call later. So the store keeps the addresses it registered and a
+    finalizer unregisters them when the store is collected (before its arenas are freed), as
+    :meth:`HostStore.release` does explicitly.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,8 +109,16 @@ def _cuda_pin(arena: torch.Tensor) -> bool:
     return int(err) == 0
 
 
-def _cuda_unpin(arena: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+def _cuda_unpin(pointers: list[int]) -> None:
+    """Unregister every address in ``pointers`` and empty the list (Note: [unpin before free])."""
+    if not pointers:
+        return
+    if torch.cuda.is_available():
+        if torch.cuda.is_current_stream_capturing():
+            return  # no synchronization is allowed during a capture; the pages stay locked until exit
+        torch.cuda.synchronize()  # no copy still reads the arenas
+    while pointers:
+        torch.cuda.cudart().cudaHostUnregister(pointers.pop())
 
 
 class HostStore:
@@ -120,6 +139,19 @@ class HostStore:
         self.arenas: list[torch.Tensor | None] = [None] * len(layouts)
         self._pinned = [False] * len(layouts)
         self._warned = False
+        self._registered: list[int] = []  # addresses this store registered, until unregistered
+        weakref.finalize(self, _cuda_unpin, self._registered)  # Note: [unpin before free]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HostStore:
+        # A copy's arenas are new, unpinned memory: it must not unregister the original's addresses.
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = copy.deepcopy(value, memo)
+        clone._registered = []
+        clone._pinned = [False] * len(self.layouts)
+        weakref.finalize(clone, _cuda_unpin, clone._registered)
+        return clone
 
     def __len__(self) -> int:
         return len(self.layouts)
@@ -166,6 +198,8 @@ class HostStore:
                 entry.view(arena).copy_(getattr(entry.owner, entry.attr).detach())
         if self.pin_memory and layout.nbytes > 0:
             self._pinned[block] = _cuda_pin(arena)
+            if self._pinned[block]:
+                self._registered.append(arena.data_ptr())
             if not self._pinned[block] and not self._warned:
                 self._warned = True
                 log.warning(
@@ -181,8 +215,6 @@ class HostStore:
 
     def release(self) -> None:
         """Unpin and drop every arena."""
-        for block, arena in enumerate(self.arenas):
-            if arena is not None and self._pinned[block]:
-                _cuda_unpin(arena)
+        _cuda_unpin(self._registered)
         self.arenas = [None] * len(self.layouts)
         self._pinned = [False] * len(self.layouts)

@@ -239,12 +239,17 @@ def run_parity(
     accumulation 2 with dropout), ``"block_major"`` (the reference accumulates 3 micro-batches; the
     streamed arm runs them block-major, ``PorosStrategy(micro_batches=3)``), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
     :mod:`poros_lightning.compiling`), ``"min_memory"`` (LoRA dropout 0.1; the streamed arm keeps the
-    input embeddings, the LM head's weight and the optimizer moments in host memory). ``blockwise``:
+    input embeddings, the LM head's weight and the optimizer moments in host memory), ``"keep_activations"`` (LoRA
+    dropout 0.1; the streamed arm's layers keep their activations instead of recomputing them). ``blockwise``:
     see :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.strategy import PorosStrategy
 
-    dropout = lora_dropout if lora_dropout is not None else (0.1 if mode in ("dropout", "accum", "min_memory") else 0.0)
+    dropout = (
+        lora_dropout
+        if lora_dropout is not None
+        else (0.1 if mode in ("dropout", "accum", "min_memory", "keep_activations") else 0.0)
+    )
     accum = accumulate if accumulate is not None else (2 if mode == "accum" else 3 if mode == "block_major" else 1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -285,6 +290,7 @@ def run_parity(
             prefetch=prefetch,
             micro_batches=accum if block_major else 1,
             **(MIN_MEMORY if mode == "min_memory" else {}),
+            **({"keep_activations": _num_layers(config)} if mode == "keep_activations" else {}),
         ),
         build,
         streamed_data,
@@ -322,6 +328,10 @@ def run_parity(
                 f.write(json.dumps({"model": model, "mode": mode, "block_size": block_size, **row}) + "\n")
             f.write(json.dumps(summary) + "\n")
     return result
+
+
+def _num_layers(config: dict[str, Any]) -> int:
+    return int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
 
 
 MIN_MEMORY = {"embeddings_on_host": True, "head_on_host": True, "optimizer_on_host": True}
