@@ -93,11 +93,14 @@ def test_report_ratio_table_averages_rounds_within_a_run(tmp_path: Path, capsys:
         {"run_id": "a", "model": "m", "seq_len": 8, "method": "base", "s_per_step": 3.0, "peak_vram_gb": 2.0},
         {"run_id": "a", "model": "m", "seq_len": 8, "method": "fast", "s_per_step": 1.5, "peak_vram_gb": 1.5},
         {"run_id": "b", "model": "m", "seq_len": 8, "method": "fast", "s_per_step": 9.0},  # no baseline in run b
+        {"run_id": "a", "model": "n", "seq_len": 8, "method": "fast", "s_per_step": 7.0},  # another model
+        {"model": "m", "seq_len": 8, "method": "base", "s_per_step": 5.0},  # an older row without a run
     ]
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert main(["report", str(path), "-o", str(tmp_path / "r.html"), "--ratio-to", "base"]) == 0
     out = capsys.readouterr().out
-    assert "| m | 8 | base | 2 | 2.000 | 1.000..3.000 | 2.000 | 1.000 |" in out
-    assert "| m | 8 | fast | 2 | 1.000 | 0.500..1.500 | 1.500 | 0.500 |" in out
-    assert "9.000" not in out.split("x base")[1]
+    assert "| m | 8 | base | 2 | 2.000 | 1.000..3.000 | 4.000 | 2.000 | 1.000 |" in out
+    assert "| m | 8 | fast | 2 | 1.000 | 0.500..1.500 | 8.000 | 1.500 | 0.500 |" in out
+    ratios = out.split("x base")[1]
+    assert "9.000" not in ratios and "7.000" not in ratios and "5.000" not in ratios

@@ -49,3 +49,15 @@ def test_qwen_configs_stream_with_poros(name: str) -> None:
     assert {"block_size", "prefetch"} <= set(strategy["init_args"])
     assert config["trainer"]["accelerator"] == "gpu"
     assert config["model"]["model"].startswith("Qwen/Qwen2.5-")
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-32b.yaml", "qwen2.5-72b.yaml"])
+def test_commented_strategy_options_are_real_options(name: str) -> None:
+    """The options a training config shows commented out (`# key: value`) are PorosStrategy arguments."""
+    import inspect
+
+    from poros_lightning import PorosStrategy
+
+    params = set(inspect.signature(PorosStrategy.__init__).parameters)
+    shown = re.findall(r"^\s+# (\w+): ", (CONFIGS[0].parent / name).read_text(), re.M)
+    assert {"vram_budget", "keep_activations", "resident_blocks"} <= set(shown) <= params

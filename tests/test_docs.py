@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from poros_lightning.bench.report import _fmt
+from poros_lightning.bench.report import _fmt, load_rows, ratio_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -71,6 +71,9 @@ def _values(obj: Any) -> list[Any]:
     return [obj]
 
 
+RATIO_BASELINES = ("resident_gc", "resident_gc_compiled")
+
+
 def _renderings() -> set[str]:
     """Every text an artifact number renders to (the report's formatting, plus plain ints)."""
     texts: set[str] = set()
@@ -84,6 +87,11 @@ def _renderings() -> set[str]:
                 texts.update({_fmt(v), f"{v:.3f}", f"{v:.1f}", str(v)})
                 if float(v).is_integer():
                     texts.add(str(int(v)))
+    # The report's ratio tables (means over rounds, ratios to the checkpointed resident run of the same run).
+    rows = load_rows([p for p in ARTIFACTS if p.parent.name == "benchmarks"])
+    for baseline in RATIO_BASELINES:
+        for line in ratio_table(rows, baseline).splitlines()[2:]:
+            texts.update(c.strip() for c in line.strip("|").split("|"))
     return texts
 
 

@@ -340,3 +340,17 @@ def test_kept_activations_are_not_planned_for_shared_kv_models() -> None:
     cfg = dict(SHAPE_VARIANTS["gemma4_text_kv_shared"])
     assert plan_engine(cfg, "8GB", seq_len=16, lora_r=4).keep_activations == 0
     assert plan_engine(tiny_config(), "8GB", seq_len=16, lora_r=4).keep_activations == 4
+
+
+def test_kept_activations_with_compiled_layers() -> None:
+    """Each layer under torch.compile, every layer keeping its activations: equal to the compiled resident run."""
+    from poros_lightning.compiling import compile_layers
+
+    def compiled() -> torch.nn.Module:
+        model = build_peft_model(lora_dropout=0.0)
+        compile_layers(model)
+        return model
+
+    ref = train_loop(compiled(), steps=2)
+    got = train_loop(prepare(compiled(), device="cpu", keep_activations=4), steps=2)
+    assert differences(ref, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}

@@ -64,17 +64,27 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def ratio_table(rows: list[dict[str, Any]], baseline: str) -> str:
     """Mean s/step of each method over its rounds, and its ratio to ``baseline``'s mean in the same run.
 
-    Rows are grouped by ``run_id`` and ``seq_len`` (one process, one model build): ratios are only taken
-    within a group, and with interleaved rounds (A B A B ...) a drift of the machine weighs on every method.
-    Groups without a ``baseline`` row are left out.
+    Rows are grouped by ``run_id``, ``model`` and ``seq_len`` (one process, one model build): ratios are only
+    taken within a group, and with interleaved rounds (A B A B ...) a drift of the machine weighs on every
+    method. Rows without a ``run_id`` (older files) and groups without a ``baseline`` row are left out.
     """
-    groups: dict[tuple[Any, Any], dict[str, list[dict[str, Any]]]] = {}
+    groups: dict[tuple[Any, Any, Any], dict[str, list[dict[str, Any]]]] = {}
     for row in rows:
-        if row.get("s_per_step") is None:
+        if row.get("s_per_step") is None or row.get("run_id") is None:
             continue
-        key = (row.get("run_id"), row.get("seq_len"))
+        key = (row["run_id"], row.get("model"), row.get("seq_len"))
         groups.setdefault(key, {}).setdefault(row["method"], []).append(row)
-    header = ("model", "seq", "method", "rounds", "mean s/step", "min..max s/step", "peak VRAM GB", f"x {baseline}")
+    header = (
+        "model",
+        "seq",
+        "method",
+        "rounds",
+        "mean s/step",
+        "min..max s/step",
+        "tokens/s",
+        "peak VRAM GB",
+        f"x {baseline}",
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for methods in groups.values():
         if baseline not in methods:
@@ -90,6 +100,7 @@ def ratio_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 len(runs),
                 mean,
                 f"{_fmt(min(times))}..{_fmt(max(times))}",
+                runs[0].get("batch_size", 1) * runs[0]["seq_len"] / mean if runs[0].get("seq_len") else None,
                 max(r.get("peak_vram_gb") or 0.0 for r in runs),
                 mean / base,
             )
