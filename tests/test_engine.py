@@ -266,47 +266,12 @@ def test_kept_activations_validated_and_refused_with_shared_kv() -> None:
     assert engine_of(model) is None  # refused before anything moved
 
 
-def test_a_dropped_store_unregisters_its_pinned_arenas(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Note: [unpin before free]: a store collected without release() still unregisters what it registered."""
-    import gc
+@pytest.fixture
+def pinning(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], object]:
+    """Pretend to be a CUDA machine for the host store: pinning succeeds, unregistered addresses are recorded.
 
-    from poros_lightning.engine import store as store_module
-
-    unregistered: list[int] = []
-
-    class FakeCudart:
-        def cudaHostUnregister(self, ptr: int) -> int:
-            unregistered.append(ptr)
-            return 0
-
-    monkeypatch.setattr(store_module, "_cuda_pin", lambda arena: True)
-    monkeypatch.setattr(store_module.torch.cuda, "cudart", lambda: FakeCudart())
-    model = build_peft_model(lora_dropout=0.0)
-    layers = model.get_base_model().model.layers
-    from poros_lightning import quant
-
-    refs = [list(quant.streamable_tensors(layer)) for layer in layers]
-    host = store_module.HostStore([store_module.Layout.of(r) for r in refs], pin_memory=False)
-    host.pin_memory = True  # as on a CUDA machine
-    pointers = [host.fill(block).data_ptr() for block in range(len(host))]
-    del host
-    gc.collect()
-    assert sorted(unregistered) == sorted(pointers)
-    released = store_module.HostStore([store_module.Layout.of(r) for r in refs], pin_memory=False)
-    released.pin_memory = True
-    for block in range(len(released)):
-        released.fill(block)
-    released.release()
-    count = len(unregistered)
-    del released
-    gc.collect()
-    assert len(unregistered) == count == 2 * len(pointers)  # release() unregistered once; the finalizer found nothing
-
-
-def test_a_deep_copied_store_leaves_the_original_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    import copy
-    import gc
-
+    Returns the list of unregistered addresses and a factory of pinned stores over the tiny model's layers.
+    """
     from poros_lightning import quant
     from poros_lightning.engine import store as store_module
 
@@ -320,9 +285,39 @@ def test_a_deep_copied_store_leaves_the_original_registered(monkeypatch: pytest.
     monkeypatch.setattr(store_module, "_cuda_pin", lambda arena: True)
     monkeypatch.setattr(store_module.torch.cuda, "cudart", lambda: FakeCudart())
     layers = build_peft_model(lora_dropout=0.0).get_base_model().model.layers
-    host = store_module.HostStore([store_module.Layout.of(list(quant.streamable_tensors(x))) for x in layers])
-    host.pin_memory = True
-    pointers = [host.fill(block).data_ptr() for block in range(len(host))]
+    layouts = [store_module.Layout.of(list(quant.streamable_tensors(x))) for x in layers]
+
+    def filled_store() -> tuple[object, list[int]]:
+        host = store_module.HostStore(layouts)
+        host.pin_memory = True  # as on a CUDA machine
+        return host, [host.fill(block).data_ptr() for block in range(len(host))]
+
+    return unregistered, filled_store
+
+
+def test_a_dropped_store_unregisters_its_pinned_arenas(pinning: tuple[list[int], object]) -> None:
+    """Note: [unpin before free]: a store collected without release() still unregisters what it registered."""
+    import gc
+
+    unregistered, filled_store = pinning
+    host, pointers = filled_store()
+    del host
+    gc.collect()
+    assert sorted(unregistered) == sorted(pointers)
+    released, _ = filled_store()
+    released.release()
+    count = len(unregistered)
+    del released
+    gc.collect()
+    assert len(unregistered) == count == 2 * len(pointers)  # release() unregistered once; the finalizer found nothing
+
+
+def test_a_deep_copied_store_leaves_the_original_registered(pinning: tuple[list[int], object]) -> None:
+    import copy
+    import gc
+
+    unregistered, filled_store = pinning
+    host, pointers = filled_store()
     clone = copy.deepcopy(host)
     clone.release()
     del clone
