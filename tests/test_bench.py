@@ -104,3 +104,34 @@ def test_report_ratio_table_averages_rounds_within_a_run(tmp_path: Path, capsys:
     assert "| m | 8 | fast | 2 | 1.000 | 0.500..1.500 | 8.000 | 1.500 | 0.500 |" in out
     ratios = out.split("x base")[1]
     assert "9.000" not in ratios and "7.000" not in ratios and "5.000" not in ratios
+
+
+def test_rows_are_written_as_each_run_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that fails after the first one leaves the first one's row in the JSONL."""
+    from poros_lightning.bench import harness
+
+    cfg = {
+        "model_config": tiny_config(),
+        "seq_lens": [8],
+        "lora_r": 4,
+        "steps": 1,
+        "warmup": 1,
+        "runs": [{"method": "resident"}, {"method": "poros"}],
+        "out": str(tmp_path / "bench.jsonl"),
+    }
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    calls = []
+    step_loop = harness._step_loop
+
+    def fails_second(*args: object, **kwargs: object) -> list[float]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a kill mid-run
+        return step_loop(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "_step_loop", fails_second)
+    with pytest.raises(KeyboardInterrupt):
+        main(["run", str(path)])
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["resident"]

@@ -74,8 +74,25 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
         raise PorosConfigError(f"rounds must be >= 1, got {rounds}.", "Use rounds: 1 (default) or more.")
     # Several rounds interleave the methods (A B A B ...): a drift of the machine hits all of them alike.
     runs = [{**run, "round": i} for i in range(rounds) for run in cfg["runs"]] if rounds > 1 else cfg["runs"]
+
+    def record(row: dict[str, Any]) -> None:
+        full = {
+            "model": f"{cfg.get('model', config.get('model_type'))} (random init)",
+            "scale": cfg.get("scale"),
+            "pinned_peak_h2d_gbps": h2d,
+            "run_id": run_id,
+            **row,
+            **versions(),
+        }
+        print({k: full.get(k) for k in ("scale", "seq_len", "method", "s_per_step", "peak_vram_gb", "h2d_copy_gbps")})
+        rows.append(full)
+        if out is not None:
+            write_jsonl([full], out)  # as soon as the run ends: a later crash or kill loses nothing measured
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     for seq_len in cfg.get("seq_lens", [512]):
-        for row in bench_methods(
+        bench_methods(
             config,
             runs,
             seq_len=int(seq_len),
@@ -85,23 +102,8 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
             warmup=int(cfg.get("warmup", 3)),
             blockwise=_BUILDS[cfg.get("build", "auto")],
             compile_layers=bool(cfg.get("compile_layers", False)),
-        ):
-            full = {
-                "model": f"{cfg.get('model', config.get('model_type'))} (random init)",
-                "scale": cfg.get("scale"),
-                "pinned_peak_h2d_gbps": h2d,
-                "run_id": run_id,
-                **row,
-                **versions(),
-            }
-            print(
-                {k: full.get(k) for k in ("scale", "seq_len", "method", "s_per_step", "peak_vram_gb", "h2d_copy_gbps")}
-            )
-            rows.append(full)
-            if out is not None:
-                write_jsonl([full], out)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            on_row=record,
+        )
     return rows
 
 

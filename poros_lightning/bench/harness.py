@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,7 @@ def bench_methods(
     quantization: str = "nf4-dq",
     blockwise: bool | None = None,
     compile_layers: bool = False,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Build the model once and time each run of ``runs`` on it, in order.
 
@@ -154,7 +156,8 @@ def bench_methods(
     and the run is capped at the budget). ``compile_layers``: every run computes with each decoder
     layer under ``torch.compile`` (:func:`~poros_lightning.compiling.compile_layers`). Between runs the adapter is reset
     and the model returns to resident, so every method trains the same bytes. ``blockwise``: see
-    :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
+    :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit). ``on_row`` is
+    called with each row as soon as its run ends (a run killed later loses nothing already measured).
     """
     from poros_lightning.api import engine_of, prepare, unprepare
 
@@ -300,6 +303,8 @@ def bench_methods(
             if device == "cuda":
                 torch.cuda.empty_cache()
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     del model
     gc.collect()
     if device == "cuda":
