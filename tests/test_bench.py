@@ -62,19 +62,24 @@ def test_bench_config_rejects_unknown_keys(tmp_path: Path) -> None:
         load_bench_config(path)
 
 
-def test_rounds_interleave_the_methods(tmp_path: Path) -> None:
+def _one_step_config(tmp_path: Path, **edits: object) -> Path:
+    """A bench YAML on the tiny model, one timed step per run, rows to ``tmp_path / "bench.jsonl"``."""
     cfg = {
         "model_config": tiny_config(),
         "seq_lens": [8],
         "lora_r": 4,
         "steps": 1,
         "warmup": 1,
-        "rounds": 2,
-        "runs": [{"method": "resident_gc"}, {"method": "poros"}],
         "out": str(tmp_path / "bench.jsonl"),
+        **edits,
     }
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_rounds_interleave_the_methods(tmp_path: Path) -> None:
+    path = _one_step_config(tmp_path, rounds=2, runs=[{"method": "resident_gc"}, {"method": "poros"}])
     assert main(["run", str(path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [(r["method"], r["round"]) for r in rows] == [
@@ -110,17 +115,7 @@ def test_rows_are_written_as_each_run_ends(tmp_path: Path, monkeypatch: pytest.M
     """A run that fails after the first one leaves the first one's row in the JSONL."""
     from poros_lightning.bench import harness
 
-    cfg = {
-        "model_config": tiny_config(),
-        "seq_lens": [8],
-        "lora_r": 4,
-        "steps": 1,
-        "warmup": 1,
-        "runs": [{"method": "resident"}, {"method": "poros"}],
-        "out": str(tmp_path / "bench.jsonl"),
-    }
-    path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = _one_step_config(tmp_path, runs=[{"method": "resident"}, {"method": "poros"}])
     calls = []
     step_loop = harness._step_loop
 
