@@ -391,8 +391,8 @@ def plan_engine(
     minimum-memory options turn on one by one, each exact, in order of copies per byte saved: the input
     embeddings move to host memory (untied models; no copies but the activations), the optimizer's two
     moments wait in host memory between steps (two copies of them per step, about two bytes copied per
-    byte saved; the update then needs the adapter, its gradient and the moments, with nothing of the
-    forward alive), and the LM head's weight moves to host memory (untied, frozen heads; two head copies
+    byte saved, both on side streams; the backward's last quarter and the update then need the adapter,
+    its gradient and the moments, with little of the forward alive), and the LM head's weight moves to host memory (untied, frozen heads; two head copies
     per step, two or more bytes copied per byte saved: the weight and the fp32 logits are then never on
     the device together, which saves ``min(head, 8 bytes x tokens x vocabulary)``). ``head_frozen=False``
     (a head trained through ``modules_to_save``) rules the last one out.
@@ -432,7 +432,10 @@ def plan_engine(
 
     def need() -> int:
         update = resident_left + slots + plan.lora_bytes + plan.lora_params * 4
-        return max(fwd, update) if opt_host else fwd
+        # The moments come in during the backward's last quarter (Note: [when the state moves]), beside
+        # the adapter, its gradient and one layer's recompute.
+        tail = resident_left + slots + plan.lora_bytes + plan.activation_layer_bytes
+        return max(fwd, update, tail) if opt_host else fwd
 
     if need() > budget and not tied:
         embed_host = True

@@ -82,16 +82,25 @@ class PorosPrecision(Precision):
         if not self.optimizer_on_host:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
-        host = self._host_states.setdefault(id(inner), HostOptimizerState(inner))
+        host = self._host_states.get(id(inner))
+        if host is None or host.optimizer is not inner:
+            host = self._host_states[id(inner)] = HostOptimizerState(inner)
 
         def closure_then_state() -> Any:
-            result = closure()  # forward and backward run without the state on the device
+            host.arm()  # the backward's last quarter copies the state in (Note: [when the state moves])
+            result = closure()
             host.to_device()
             return result
 
         result = super().optimizer_step(optimizer, model, closure_then_state, **kwargs)
         host.to_host()
         return result
+
+    @override
+    def teardown(self) -> None:
+        for host in self._host_states.values():  # the host buffers hold the last update when fit returns
+            host.synchronize()
+        super().teardown()
 
     @override
     def tensor_init_context(self) -> contextlib.AbstractContextManager:

@@ -78,9 +78,11 @@ def _one_step_config(tmp_path: Path, **edits: object) -> Path:
     return path
 
 
-def test_rounds_interleave_the_methods(tmp_path: Path) -> None:
-    path = _one_step_config(tmp_path, rounds=2, runs=[{"method": "resident_gc"}, {"method": "poros"}])
-    assert main(["run", str(path)]) == 0
+@pytest.mark.parametrize("from_cli", [False, True])
+def test_rounds_interleave_the_methods(tmp_path: Path, from_cli: bool) -> None:
+    runs = [{"method": "resident_gc"}, {"method": "poros"}]
+    path = _one_step_config(tmp_path, runs=runs, **({} if from_cli else {"rounds": 2}))
+    assert main(["run", str(path), *(["--rounds", "2"] if from_cli else [])]) == 0
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [(r["method"], r["round"]) for r in rows] == [
         ("resident_gc", 0),

@@ -199,3 +199,68 @@ def test_a_dropped_prepared_model_leaves_no_registration_behind() -> None:
         gc.collect()
     torch.cuda.synchronize()
     torch.zeros(1, device="cuda").add_(1)  # a later launch reports no stale error
+
+
+def _slow_state_copies(monkeypatch: pytest.MonkeyPatch, cycles: int = 50_000_000) -> None:
+    """Delay the optimizer state's copies in and out on their side streams (``torch.cuda._sleep``)."""
+    from poros_lightning.optim_state import HostOptimizerState
+
+    prefetch, to_host = HostOptimizerState.prefetch, HostOptimizerState.to_host
+
+    def delayed(direction: str, method):  # noqa: ANN001, ANN202
+        def run(self: HostOptimizerState) -> object:
+            stream = self._stream(torch.device("cuda", torch.cuda.current_device()), direction)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+            return method(self)
+
+        return run
+
+    monkeypatch.setattr(HostOptimizerState, "prefetch", delayed("in", prefetch))
+    monkeypatch.setattr(HostOptimizerState, "to_host", delayed("out", to_host))
+
+
+def _adamw_run(on_host: bool, fault: str | None = None, steps: int = 4) -> tuple[list[torch.Tensor], int]:
+    """Params and moments after ``steps`` AdamW steps of a stack of linears, resident or with the state on host."""
+    from poros_lightning.optim_state import HostOptimizerState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    host = HostOptimizerState(opt) if on_host else None
+    if host is not None:
+        host.fault = fault
+    x = torch.randn(64, 2048, device="cuda")
+    for _ in range(steps):
+        if host is not None:
+            host.arm()
+        model(x).square().mean().backward()
+        if host is not None:
+            host.to_device()
+        opt.step()
+        if host is not None:
+            host.to_host()
+        opt.zero_grad(set_to_none=True)
+    if host is not None:
+        host.synchronize()
+    torch.cuda.synchronize()
+    out = [p.detach().cpu().clone() for p in model.parameters()]
+    out += [v.detach().cpu().clone() for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    return out, host.prefetches if host is not None else 0
+
+
+def test_optimizer_state_copies_are_ordered_under_slow_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note: [when the state moves]: copies in during the backward, out after the update, both slowed down:
+    the parameters and moments equal a resident AdamW's; without the stream waits (control) they do not."""
+    ref, _ = _adamw_run(False)
+    _slow_state_copies(monkeypatch)
+    got, prefetches = _adamw_run(True)
+    assert prefetches == 3  # every step's backward but the first (no state yet) started the copy in
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    from poros_lightning import optim_state
+
+    # The control: memory the update reads before its copy in has landed holds NaN, not an older copy.
+    monkeypatch.setattr(optim_state, "_empty_on", lambda v, d: torch.full_like(v, float("nan"), device=d))
+    bad, _ = _adamw_run(True, fault="no_wait")
+    assert not all(torch.equal(a, b) for a, b in zip(ref, bad, strict=True))

@@ -192,3 +192,82 @@ def test_trainer_precision_flag_reaches_a_strategy_instance() -> None:
     got, trainer = fit(PorosStrategy(block_size=1))
     assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
     _assert_equal(ref, got)
+
+
+def test_optimizer_state_copy_in_is_triggered_by_the_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An armed backward starts the copy in once, when the trigger parameter's gradient is complete."""
+    from poros_lightning.optim_state import HostOptimizerState
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+    params = list(model.parameters())  # layer 0 first: the backward reaches it last
+    opt = torch.optim.AdamW(params, lr=0.1)
+    host = HostOptimizerState(opt)
+    trigger = len(params) // 4  # prefetch_at=0.25 of the optimizer's parameter order
+    seen: list[list[bool]] = []
+    monkeypatch.setattr(host, "prefetch", lambda: seen.append([p.grad is not None for p in params]) or True)
+
+    def step(armed: bool) -> None:
+        if armed:
+            host.arm()
+        model(torch.ones(2, 4)).sum().backward()
+        host.to_device()
+        opt.step()
+        host.to_host()
+        opt.zero_grad(set_to_none=True)
+
+    step(armed=False)  # a micro-batch of gradient accumulation: no update follows its backward
+    assert seen == []
+    step(armed=True)
+    (grads,) = seen
+    assert grads[trigger] and not grads[trigger - 1]  # the layers before the trigger still to come
+    assert host.prefetches == 1
+    synced = []
+    monkeypatch.setattr(host, "synchronize", lambda: synced.append(1))
+    opt.state_dict()  # a checkpoint waits for the copies out
+    assert synced
+    host.close()
+    step(armed=True)
+    assert len(seen) == 1  # the trigger hook is gone
+
+
+def test_optimizer_state_on_host_is_checkpointed(reference: Recorder, tmp_path) -> None:  # noqa: ANN001
+    """The moments wait as views of one flat host buffer; a safetensors checkpoint still writes them."""
+    from safetensors.torch import load_file
+
+    from poros_lightning.checkpoint import _optimizer_files, _write_tensors
+
+    strategy = PorosStrategy(optimizer_on_host=True)
+    _assert_equal(reference, _fit(strategy))
+    host = next(iter(strategy.precision_plugin._host_states.values()))
+    views = list(host.buffers.values())
+    assert len(views) > 1 and len({v.untyped_storage().data_ptr() for v in views}) == 1  # one flat buffer
+    tensors, _ = _optimizer_files(host.optimizer)
+    _write_tensors(tmp_path / "optimizer.safetensors", tensors)
+    loaded = load_file(str(tmp_path / "optimizer.safetensors"))
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def test_optimizer_state_loaded_into_the_optimizer_moves_to_host_again() -> None:
+    """load_state_dict replaces the state dicts: the next copy out lays them out anew (none stays behind)."""
+    from poros_lightning.optim_state import HostOptimizerState
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    host = HostOptimizerState(opt)
+
+    def step() -> None:
+        host.arm()
+        model(torch.ones(2, 4)).sum().backward()
+        host.to_device()
+        opt.step()
+        host.to_host()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    saved = opt.state_dict()
+    opt.load_state_dict({"state": {k: {n: v.clone() for n, v in s.items()} for k, s in saved["state"].items()},
+                         "param_groups": saved["param_groups"]})  # fmt: skip
+    step()
+    for p, state in opt.state.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert state[name] is host.buffers[(id(p), name)]

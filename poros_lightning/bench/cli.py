@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--steps", type=int, help="timed steps (overrides the YAML)")
     run.add_argument("--runs", nargs="+", metavar="NAME", help="only the runs of these names (default: all)")
     run.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (overrides the YAML)")
+    run.add_argument("--rounds", type=int, help="interleaved rounds of the runs (overrides the YAML)")
     rep = sub.add_parser("report", help="render an HTML report (and print a Markdown table) from JSONL files")
     rep.add_argument("jsonl", nargs="+")
     rep.add_argument("-o", "--output", default="docs/benchmarks/report.html")
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg["steps"] = args.steps
         if args.seq_lens:
             cfg["seq_lens"] = args.seq_lens
+        if args.rounds is not None:
+            cfg["rounds"] = args.rounds
         if args.runs:
             names = [r.get("name", r["method"]) for r in cfg["runs"]]
             missing = sorted(set(args.runs) - set(names))

@@ -58,6 +58,7 @@ def _step_loop(
     peaks: dict[str, float] | None = None,
     issued: list[float] | None = None,
     split: dict[str, list[float]] | None = None,
+    counts: dict[str, int] | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -69,7 +70,12 @@ def _step_loop(
     step is bound by the host launching kernels rather than by the GPU (host waits inside the step, such
     as ``optimizer_on_host``'s synchronization, count as issuing). ``split`` (CUDA) receives, for each timed
     step, the GPU seconds of its ``forward`` (model and loss), ``backward`` and ``update``, from CUDA events
-    on the compute stream: where a streamed step spends the time a resident one does not.
+    on the compute stream: where a streamed step spends the time a resident one does not. ``counts``
+    receives ``optimizer_prefetches``: the steps whose backward started the optimizer state's copy in.
+
+    Each step is timed until the compute stream has finished it: copies on side streams that a training
+    loop overlaps with the next step (``optimizer_on_host``'s copy out) run on into the next step's time,
+    as they do in training; what is still running after the last step counts in that step's time.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -84,17 +90,22 @@ def _step_loop(
             phases["reserved"] = max(phases["reserved"], torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
 
+    def wait() -> None:  # the compute stream only (see above)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
     times = []
     for i, ids in enumerate(batches):
         ids = ids.to(device, non_blocking=True)
-        if cuda:
-            torch.cuda.synchronize()
+        wait()
         if ring is not None and i == warmup:
             ring.time_copies()
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
         t = time.perf_counter()
         if marks:
             marks[0].record()
+        if host is not None:
+            host.arm()
         logits = model(input_ids=ids, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
         del logits
@@ -115,8 +126,7 @@ def _step_loop(
         phase_end("update")
         del loss
         done_issuing = time.perf_counter()
-        if cuda:
-            torch.cuda.synchronize()
+        wait()
         if i >= warmup:
             times.append(time.perf_counter() - t)
             if issued is not None:
@@ -126,6 +136,14 @@ def _step_loop(
                     ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
                 ):
                     split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+    if cuda and times:
+        t = time.perf_counter()
+        torch.cuda.synchronize()
+        times[-1] += time.perf_counter() - t
+    if host is not None:
+        host.close()
+        if counts is not None:
+            counts["optimizer_prefetches"] = host.prefetches
     opt.state.clear()
     return times
 
@@ -249,6 +267,7 @@ def bench_methods(
             peaks: dict[str, float] = {}
             issued: list[float] = []
             split: dict[str, list[float]] = {}
+            counts: dict[str, int] = {}
             times = _step_loop(
                 model,
                 batches,
@@ -260,6 +279,7 @@ def bench_methods(
                 peaks=peaks,
                 issued=issued,
                 split=split,
+                counts=counts,
             )
             s_per_step = sum(times) / len(times)
             row.update(
@@ -275,6 +295,8 @@ def bench_methods(
                 peak_reserved_gb=peaks["reserved"] / 1e9 if device == "cuda" else None,
                 host_rss_gb=_host_rss(),
             )
+            if "optimizer_prefetches" in counts:
+                row["optimizer_prefetches_per_step"] = counts["optimizer_prefetches"] / (warmup + steps)
             if engine is not None:
                 copies = engine.ring.loads - loads0
                 timed = engine.ring.copy_stats()
