@@ -216,12 +216,8 @@ class HostOptimizerState:
         if not same:
             pin = self.pin_memory and group[0].type == "cuda"
             host = torch.empty(sum(value.numel() for *_, value in entries), dtype=group[1], pin_memory=pin)
-            flat = self._flats[group] = _Flat(
-                [(state, name) for _k, state, name, _v in entries],
-                host,
-                (),
-            )
-            flat.host_views = _unflatten_dense_tensors(host, [value for *_, value in entries])
+            views = _unflatten_dense_tensors(host, [value for *_, value in entries])
+            flat = self._flats[group] = _Flat([(state, name) for _k, state, name, _v in entries], host, views)
             for (key, *_), view in zip(entries, flat.host_views, strict=True):
                 self.buffers[key] = view
         return flat

@@ -194,6 +194,17 @@ def test_trainer_precision_flag_reaches_a_strategy_instance() -> None:
     _assert_equal(ref, got)
 
 
+def _host_state_step(model: torch.nn.Module, opt: torch.optim.Optimizer, host: object, armed: bool) -> None:
+    """One training step with the optimizer state moved by ``host`` (armed: an update follows the backward)."""
+    if armed:
+        host.arm()
+    model(torch.ones(2, model[0].in_features)).sum().backward()
+    host.to_device()
+    opt.step()
+    host.to_host()
+    opt.zero_grad(set_to_none=True)
+
+
 def test_optimizer_state_copy_in_is_triggered_by_the_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     """An armed backward starts the copy in once, when the trigger parameter's gradient is complete."""
     from poros_lightning.optim_state import HostOptimizerState
@@ -207,13 +218,7 @@ def test_optimizer_state_copy_in_is_triggered_by_the_backward(monkeypatch: pytes
     monkeypatch.setattr(host, "prefetch", lambda: seen.append([p.grad is not None for p in params]) or True)
 
     def step(armed: bool) -> None:
-        if armed:
-            host.arm()
-        model(torch.ones(2, 4)).sum().backward()
-        host.to_device()
-        opt.step()
-        host.to_host()
-        opt.zero_grad(set_to_none=True)
+        _host_state_step(model, opt, host, armed)
 
     step(armed=False)  # a micro-batch of gradient accumulation: no update follows its backward
     assert seen == []
@@ -256,12 +261,7 @@ def test_optimizer_state_loaded_into_the_optimizer_moves_to_host_again() -> None
     host = HostOptimizerState(opt)
 
     def step() -> None:
-        host.arm()
-        model(torch.ones(2, 4)).sum().backward()
-        host.to_device()
-        opt.step()
-        host.to_host()
-        opt.zero_grad(set_to_none=True)
+        _host_state_step(model, opt, host, armed=True)
 
     step()
     saved = opt.state_dict()
