@@ -97,7 +97,9 @@ def _resolve_or_none(base: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _host_head(base: nn.Module, embed_path: str, head_path: str, engine: StreamingEngine) -> HostHead | None:
+def _host_head(
+    base: nn.Module, embed_path: str, head_path: str, engine: StreamingEngine, copies: int = 2
+) -> HostHead | None:
     head = _resolve_or_none(base, head_path)
     weight = getattr(head, "weight", None)
     if weight is None:
@@ -107,7 +109,7 @@ def _host_head(base: nn.Module, embed_path: str, head_path: str, engine: Streami
         log.info("poros: the LM head is tied to the input embeddings; keeping it on %s.", engine.device)
         return None
     ring = engine.ring
-    host_head = HostHead(head, engine.device, ring.copy_stream if ring.use_streams else None)
+    host_head = HostHead(head, engine.device, ring.copy_stream if ring.use_streams else None, copies=copies)
     host_head.schedule(len(engine.layers), engine.store.max_block_bytes / engine.options.block_size)
     engine.streamer.on_forward.append(host_head.on_layer_forward)  # Note: [prefetch] in engine.head
     return host_head
@@ -140,6 +142,8 @@ def prepare(
     keep_activations: int = 0,
     embeddings_on_host: bool = False,
     head_on_host: bool = False,
+    head_copies: int = 2,
+    inputs_on_host: bool = False,
     allow_unlisted_arch: bool = False,
     arena_factory: ArenaFactory | None = None,
 ) -> nn.Module:
@@ -165,6 +169,12 @@ def prepare(
         embeddings_on_host: keep the input embedding table in host memory; rows are gathered on the
             host and only the activations are copied (exact: a lookup is a copy). Ignored, with a log
             line, when the embeddings are tied to the LM head.
+        head_on_host: keep the LM head's weight (untied, frozen) in pinned host memory between uses.
+        head_copies: with ``head_on_host``, copies of the head's weight per step: 2 (for its forward and
+            again for its backward; the weight and the fp32 logits never share the device) or 1 (the
+            forward's copy is kept until the head's backward: one copy fewer, for the overlap).
+        inputs_on_host: each recomputing layer's saved input (its hidden state) waits in pinned host
+            memory from the forward to the backward (exact; copied out and back on side streams).
         allow_unlisted_arch: try an architecture missing from the registry, as experimental.
         arena_factory: ``(block, nbytes) -> (uint8 CPU tensor, already_filled)`` supplying the host
             arena of each block (e.g. shared memory, one copy of the base for several processes);
@@ -193,7 +203,13 @@ def prepare(
         use_streams=use_streams,
         resident_blocks=resident_blocks,
         keep_activations=keep_activations,
+        inputs_on_host=inputs_on_host,
     )
+    if head_copies not in (1, 2):
+        raise PorosConfigError(
+            f"head_copies must be 1 or 2, got {head_copies!r}.",
+            "Use head_copies=2 (the weight and the fp32 logits never share the device) or 1 (one copy per step).",
+        )
     if keep_activations:
         _check_no_shared_kv(base)
     quant.disable_cpu_repacking(model)
@@ -216,7 +232,7 @@ def prepare(
     engine = StreamingEngine(layers, refs, device, options, arena_factory=arena_factory)
     quant.move_quant_states(model, device)
     engine.host_embedding = _host_embedding(base, spec.embed, spec.head, device) if embeddings_on_host else None
-    engine.host_head = _host_head(base, spec.embed, spec.head, engine) if head_on_host else None
+    engine.host_head = _host_head(base, spec.embed, spec.head, engine, head_copies) if head_on_host else None
     move_resident(model, device)
     config = getattr(base, "config", None)
     engine.saved_use_cache = getattr(config, "use_cache", None)

@@ -340,6 +340,8 @@ class EnginePlan:
         keep_activations: last decoder layers that keep their activations (no recompute).
         embeddings_on_host: keep the input embedding table in host memory.
         head_on_host: keep the LM head's weight in host memory, copied in for its forward and backward.
+        head_copies: head copies per step with ``head_on_host`` (1: the forward's copy serves the backward).
+        inputs_on_host: each recomputing layer's saved input waits in host memory.
         optimizer_on_host: keep the optimizer's moments in host memory between steps.
         vram_estimate: estimated peak of the chosen plan (bytes).
         vram_budget: the budget (bytes).
@@ -356,6 +358,8 @@ class EnginePlan:
     head_on_host: bool = False
     optimizer_on_host: bool = False
     keep_activations: int = 0
+    head_copies: int = 2
+    inputs_on_host: bool = False
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The options ``prepare`` takes (``optimizer_on_host`` belongs to the precision plugin)."""
@@ -366,6 +370,8 @@ class EnginePlan:
             "keep_activations": self.keep_activations,
             "embeddings_on_host": self.embeddings_on_host,
             "head_on_host": self.head_on_host,
+            "head_copies": self.head_copies,
+            "inputs_on_host": self.inputs_on_host,
         }
 
 
@@ -394,8 +400,15 @@ def plan_engine(
     byte saved, both on side streams; the backward's last quarter and the update then need the adapter,
     its gradient and the moments, with little of the forward alive), and the LM head's weight moves to host memory (untied, frozen heads; two head copies
     per step, two or more bytes copied per byte saved: the weight and the fp32 logits are then never on
-    the device together, which saves ``min(head, 8 bytes x tokens x vocabulary)``). ``head_frozen=False``
-    (a head trained through ``modules_to_save``) rules the last one out.
+    the device together, which saves ``min(head, 8 bytes x tokens x vocabulary)``); last, each recomputing layer's
+    input (one hidden state per layer) waits in host memory (copied out in the link's idle direction and back
+    in the backward's idle link time). ``head_frozen=False`` (a head trained through ``modules_to_save``) rules
+    the head out.
+
+    With the head in host memory, its backward's copy is the one copy nothing hides. When the budget (less
+    10% headroom) also holds the head beside the logits, the plan keeps the forward's copy for the backward
+    (``head_copies=1``, one head copy per step). It does not move the layers' inputs out to make room: on the
+    H200 that costs the step more than the head's copy saves (docs/benchmarks.md).
 
     Memory left over (10% of the budget is kept as headroom) goes first to the last layers' activations
     (``keep_activations``: each kept layer skips its recompute, one layer forward fewer per step, which pays
@@ -456,6 +469,23 @@ def plan_engine(
         why.append(
             f"LM head in host memory (two head copies per step) saves {format_bytes(saved)}: {format_bytes(need())}"
         )
+    inputs = plan.num_layers * tokens * int(text["hidden_size"]) * _BF16  # one saved hidden state per layer
+    inputs_host = False
+    if need() > budget:
+        inputs_host = True
+        fwd -= inputs
+        why.append(
+            f"layer inputs in host memory (two copies of {format_bytes(inputs)} per step): {format_bytes(need())}"
+        )
+    head_copies = 2
+    if head_host:
+        saved_fwd = fwd
+        fwd += min(table, 8 * tokens * int(text["vocab_size"]))
+        if need() <= int(budget * 0.9):
+            head_copies = 1
+            why.append(f"the head's forward copy serves its backward (one head copy per step): {format_bytes(need())}")
+        else:
+            fwd = saved_fwd
     total = need()
     if total > budget:
         raise PorosOOMError(
@@ -484,5 +514,16 @@ def plan_engine(
         why.append(f"{resident} of {plan.num_blocks} blocks stay resident (copied once): {format_bytes(total)}")
     why.append(f"budget {format_bytes(budget)}, estimated peak {format_bytes(total)}")
     return EnginePlan(
-        1, 1, resident, embed_host, total, budget, tuple(why), head_host, opt_host, keep_activations=int(kept)
+        1,
+        1,
+        resident,
+        embed_host,
+        total,
+        budget,
+        tuple(why),
+        head_host,
+        opt_host,
+        keep_activations=int(kept),
+        head_copies=head_copies,
+        inputs_on_host=inputs_host,
     )

@@ -78,6 +78,11 @@ class PorosStrategy(SingleDeviceStrategy):
         embeddings_on_host: keep the input embedding table in host memory (exact; untied models).
         head_on_host: keep the LM head's weight in host memory, copied in for the head's forward and
             backward only (exact; untied models; two head copies per step).
+        head_copies: with ``head_on_host``, ``1`` keeps the forward's copy of the head for its backward:
+            one head copy per step, the weight then beside the fp32 logits during the loss (exact).
+        inputs_on_host: each recomputing layer's saved input (its hidden state, ``tokens x hidden``) waits
+            in pinned host memory from the forward to the backward, copied out and back on side streams
+            (exact; what a streamed forward otherwise accumulates on the device, one per layer).
         vram_budget: a GPU memory budget (``"8GB"``, bytes): the planner chooses ``keep_activations``,
             ``resident_blocks``, ``embeddings_on_host``, ``optimizer_on_host`` and ``head_on_host`` to fit it, logs its plan,
             and raises ``PorosOOMError`` naming the smallest budget that would fit when nothing does.
@@ -112,6 +117,8 @@ class PorosStrategy(SingleDeviceStrategy):
         allow_unlisted_arch: bool = False,
         micro_batches: int = 1,
         head_on_host: bool = False,
+        head_copies: int = 2,
+        inputs_on_host: bool = False,
         optimizer_on_host: bool = False,
         keep_activations: int = 0,
         accelerator: Any = None,
@@ -153,6 +160,8 @@ class PorosStrategy(SingleDeviceStrategy):
             keep_activations=keep_activations,
             embeddings_on_host=embeddings_on_host,
             head_on_host=head_on_host,
+            head_copies=head_copies,
+            inputs_on_host=inputs_on_host,
             allow_unlisted_arch=allow_unlisted_arch,
         )
 

@@ -282,6 +282,9 @@ class PorosDDPStrategy(DDPStrategy):
             rank its own host store.
         head_on_host: keep the LM head's weight in host memory (per rank), copied in for the head's
             forward and backward only (exact; untied models).
+        head_copies: with ``head_on_host``, ``1`` keeps the forward's copy for the backward (one per step).
+        inputs_on_host: each recomputing layer's saved input waits in host memory (per rank; see
+            :class:`~poros_lightning.PorosStrategy`).
         micro_batch_order: replace the ``DistributedSampler`` Lightning injects with a
             :class:`MicroBatchSampler` (rank ``r`` gets micro-batches ``r, r + N, ...``).
         keep_activations: the last decoder layers that keep their activations instead of recomputing
@@ -310,6 +313,8 @@ class PorosDDPStrategy(DDPStrategy):
         allow_unlisted_arch: bool = False,
         shared_base: bool = True,
         head_on_host: bool = False,
+        head_copies: int = 2,
+        inputs_on_host: bool = False,
         micro_batch_order: bool = True,
         allow_dropout: bool = False,
         keep_activations: int = 0,
@@ -345,6 +350,8 @@ class PorosDDPStrategy(DDPStrategy):
             keep_activations=keep_activations,
             embeddings_on_host=embeddings_on_host,
             head_on_host=head_on_host,
+            head_copies=head_copies,
+            inputs_on_host=inputs_on_host,
             allow_unlisted_arch=allow_unlisted_arch,
         )
         self.shared_base = shared_base

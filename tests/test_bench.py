@@ -132,3 +132,47 @@ def test_rows_are_written_as_each_run_ends(tmp_path: Path, monkeypatch: pytest.M
         main(["run", str(path)])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["resident"]
+
+
+def _event(cat: str, name: str, ts: float, dur: float, stream: int, nbytes: int = 0) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "bytes": nbytes}}
+
+
+def test_timeline_splits_idle_time_into_link_and_host_waits() -> None:
+    from poros_lightning.bench.timeline import MARKER, summarize_trace
+
+    h2d, d2h = "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"
+    trace = {
+        "traceEvents": [
+            *(_event("kernel", MARKER, ts, 1, 7) for ts in (0, 100, 300, 350)),
+            # forward [1, 100): kernels 1..21 and 61..81; a side copy 11..71 covers the idle 21..61
+            _event("kernel", "gemm", 1, 20, 7),
+            _event("kernel", "gemm", 61, 20, 7),
+            _event("gpu_memcpy", h2d, 11, 60, 13, nbytes=3_000_000_000),
+            # backward [101, 300): 150 us busy (one compute-stream copy of 50), 49 us idle, no side copy
+            _event("kernel", "gemm", 101, 100, 7),
+            _event("gpu_memcpy", h2d, 201, 50, 7, nbytes=1_000_000_000),
+            # update [301, 350): one kernel; a copy out on a side stream
+            _event("kernel", "adamw", 301, 10, 7),
+            _event("gpu_memcpy", d2h, 311, 30, 15, nbytes=2_000_000_000),
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 400},  # not GPU time
+        ]
+    }
+    got = summarize_trace(trace)
+    assert got["forward_s"] == pytest.approx(99e-6)
+    assert got["forward_busy_s"] == pytest.approx(40e-6)
+    assert got["forward_idle_copying_s"] == pytest.approx(40e-6)  # 21..61
+    assert got["forward_idle_host_s"] == pytest.approx(19e-6)  # 81..100
+    assert got["forward_side_h2d_gb"] == pytest.approx(3.0) and got["forward_kernels"] == 2
+    assert got["backward_busy_s"] == pytest.approx(150e-6) and got["backward_compute_copy_s"] == pytest.approx(50e-6)
+    assert got["backward_idle_host_s"] == pytest.approx(49e-6) and got["backward_idle_copying_s"] == 0
+    assert got["update_d2h_gb"] == pytest.approx(2.0) and got["update_side_h2d_gb"] == 0
+    with pytest.raises(ValueError, match="4 phase markers"):
+        summarize_trace({"traceEvents": trace["traceEvents"][1:]})
+
+
+def test_profile_is_cuda_only(tmp_path: Path) -> None:
+    path = _one_step_config(tmp_path, runs=[{"method": "poros"}])
+    assert main(["run", str(path), "--profile"]) == 0
+    (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
+    assert row["s_per_step"] > 0 and not any(k.startswith("profile_") for k in row)  # on CPU: none made up

@@ -121,6 +121,76 @@ def test_head_on_host_backward_reads_a_fresh_copy() -> None:
     assert clean.abs().sum() > 0 and not torch.equal(clean, doubled)
 
 
+def test_one_head_copy_per_step_is_exact(reference: dict) -> None:
+    """head_copies=1: the forward's copy serves the backward too; one copy per step, every surface exact."""
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", head_on_host=True, head_copies=1)
+    host_head = engine_of(model).host_head
+    got = train_loop(model)
+    assert differences(reference, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+    assert host_head.loads == 3  # train_loop runs 3 steps
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=ids, use_cache=False).logits
+    host_head.host.mul_(2)  # with two copies the backward would read these bytes (see the test above)
+    logits.float().square().mean().backward()
+    host_head.host.div_(2)
+    assert host_head.loads == 4
+
+
+def _inputs_offloaded(model: torch.nn.Module):
+    offload = engine_of(model).streamer.inputs
+    offload.min_bytes = 0  # the tiny model's hidden states are far below the default threshold
+    return offload
+
+
+def test_inputs_on_host_is_exact(reference: dict) -> None:
+    """Each recomputing layer's input waits in host memory: one per layer and forward, every surface exact."""
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", inputs_on_host=True, keep_activations=1)
+    offload = _inputs_offloaded(model)
+    got = train_loop(model)
+    assert differences(reference, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+    assert offload.packed == 3 * 3  # 3 steps x the 3 layers that recompute (the last keeps its activations)
+
+
+def test_inputs_on_host_recompute_reads_the_host_copy() -> None:
+    """Negative control: bytes changed in host memory between forward and backward change the gradients."""
+
+    def grads(corrupt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model = prepare(build_peft_model(lora_dropout=0.0), device="cpu", inputs_on_host=True)
+        offload = _inputs_offloaded(model)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = model(input_ids=ids, use_cache=False).logits.float().square().mean()
+        if corrupt:
+            for refs in offload._by_layer.values():
+                for ref in refs:
+                    ref().host.mul_(1.5)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        return loss.detach(), grad
+
+    clean_loss, clean = grads(False)
+    bad_loss, bad = grads(True)
+    assert torch.equal(clean_loss, bad_loss) and not torch.equal(clean, bad)
+
+
+def test_inputs_on_host_and_one_head_copy_back_up_twice() -> None:
+    """retain_graph: a second backward copies each input back again and reuses the kept head copy."""
+
+    def twice(model: torch.nn.Module) -> list[torch.Tensor]:
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(6))
+        loss = model(input_ids=ids, use_cache=False).logits.float().square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad for p in model.parameters() if p.requires_grad]
+
+    ref = twice(build_peft_model(lora_dropout=0.0))
+    model = prepare(
+        build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True, head_copies=1, inputs_on_host=True
+    )
+    _inputs_offloaded(model)
+    got = twice(model)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
 def test_head_on_host_unprepare_and_tied_heads() -> None:
     model = prepare(build_peft_model(lora_dropout=0.0), device="cpu", head_on_host=True)
     head = model.get_base_model().lm_head
@@ -139,6 +209,10 @@ def test_engine_options_are_validated() -> None:
         prepare(build_peft_model(), device="cpu", block_size=0)
     with pytest.raises(PorosConfigError, match="num_slots"):
         prepare(build_peft_model(), device="cpu", prefetch=2, num_slots=2)
+    model = build_peft_model()
+    with pytest.raises(PorosConfigError, match="head_copies must be 1 or 2"):
+        prepare(model, device="cpu", head_on_host=True, head_copies=3)
+    assert engine_of(model) is None
 
 
 def test_head_on_host_refuses_a_trained_head() -> None:

@@ -264,3 +264,20 @@ def test_optimizer_state_copies_are_ordered_under_slow_streams(monkeypatch: pyte
     monkeypatch.setattr(optim_state, "_empty_on", lambda v, d: torch.full_like(v, float("nan"), device=d))
     bad, _ = _adamw_run(True, fault="no_wait")
     assert not all(torch.equal(a, b) for a, b in zip(ref, bad, strict=True))
+
+
+def test_profiled_step_accounts_for_every_phase() -> None:
+    """The profiled step's phases split into busy and idle time that add up, and the streamed forward copies."""
+    from poros_lightning.bench.harness import bench_methods
+
+    config = known_config("Qwen/Qwen2.5-1.5B")
+    runs = [{"method": "resident_gc"}, {"method": "poros"}]
+    by = {r["method"]: r for r in bench_methods(config, runs, seq_len=512, lora_r=16, steps=2, warmup=1, profile=True)}
+    for row in by.values():
+        for phase in ("forward", "backward", "update"):
+            parts = sum(row[f"profile_{phase}_{k}"] for k in ("busy_s", "idle_copying_s", "idle_host_s"))
+            assert parts == pytest.approx(row[f"profile_{phase}_s"], rel=1e-6)
+            assert row[f"profile_{phase}_kernels"] > 0
+    assert by["poros"]["profile_forward_side_h2d_gb"] > 0.5 * by["poros"]["host_store_gb"]
+    assert by["resident_gc"]["profile_forward_side_h2d_gb"] == 0
+    assert by["poros"]["loads_per_step"] == pytest.approx(by["poros"]["num_blocks"] * 2 - 4, abs=2)

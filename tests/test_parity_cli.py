@@ -55,12 +55,19 @@ def test_compile_mode_is_gated_and_really_compiles(tmp_path: Path) -> None:
 
 
 def test_min_memory_mode_is_gated_with_its_options_in_effect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Embeddings, LM head and optimizer moments in host memory: all four surfaces equal (with dropout)."""
+    """Embeddings, LM head, layer inputs and optimizer moments in host memory: all four surfaces equal (with dropout)."""
     from poros_lightning.engine.head import HostHead
+    from poros_lightning.engine.offload import InputOffload
     from poros_lightning.optim_state import HostOptimizerState
 
-    calls = {"head": 0, "optimizer": 0}
-    fetch, to_host = HostHead._fetch, HostOptimizerState.to_host
+    calls = {"head": 0, "optimizer": 0, "inputs": 0}
+    fetch, to_host, pack = HostHead._fetch, HostOptimizerState.to_host, InputOffload.pack
+
+    def counting_pack(self: InputOffload, index: int, tensor: object) -> object:
+        self.min_bytes = 0  # the tiny model's hidden states are below the default threshold
+        packed = pack(self, index, tensor)
+        calls["inputs"] += packed is not tensor
+        return packed
 
     def counting_fetch(self: HostHead, *args: object) -> object:
         calls["head"] += 1
@@ -72,12 +79,14 @@ def test_min_memory_mode_is_gated_with_its_options_in_effect(tmp_path: Path, mon
 
     monkeypatch.setattr(HostHead, "_fetch", counting_fetch)
     monkeypatch.setattr(HostOptimizerState, "to_host", counting_to_host)
+    monkeypatch.setattr(InputOffload, "pack", counting_pack)
     path = _config(tmp_path, steps=2, block_sizes=[1], modes=["min_memory"])
     assert main(["--config", str(path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
     (summary,) = [r for r in rows if r.get("summary")]
     assert summary["mode"] == "min_memory" and summary["lora_dropout"] == 0.1 and summary["equal"]
-    assert calls["head"] >= 4 and calls["optimizer"] == 2  # two head copies and one state round trip per step
+    # one head copy and one state round trip per step; each layer's input left for host memory every step
+    assert calls["head"] == 2 and calls["optimizer"] == 2 and calls["inputs"] >= 2 * 4
 
 
 def test_keep_activations_mode_is_gated_without_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

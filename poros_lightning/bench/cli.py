@@ -28,6 +28,7 @@ _KEYS = {
     "build",
     "compile_layers",
     "rounds",
+    "profile",
 }
 _BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
@@ -102,6 +103,7 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
             warmup=int(cfg.get("warmup", 3)),
             blockwise=_BUILDS[cfg.get("build", "auto")],
             compile_layers=bool(cfg.get("compile_layers", False)),
+            profile=bool(cfg.get("profile", False)),
             on_row=record,
         )
     return rows
@@ -118,11 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--runs", nargs="+", metavar="NAME", help="only the runs of these names (default: all)")
     run.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (overrides the YAML)")
     run.add_argument("--rounds", type=int, help="interleaved rounds of the runs (overrides the YAML)")
+    run.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step per run (CUDA) and add where its GPU time went to the row (profile_* fields)",
+    )
     rep = sub.add_parser("report", help="render an HTML report (and print a Markdown table) from JSONL files")
     rep.add_argument("jsonl", nargs="+")
     rep.add_argument("-o", "--output", default="docs/benchmarks/report.html")
     rep.add_argument(
         "--where", action="append", default=[], metavar="KEY=VALUE", help="keep rows whose field KEY is VALUE"
+    )
+    rep.add_argument(
+        "--profile", action="store_true", help="also print the per-phase profile of rows run with `bench run --profile`"
     )
     rep.add_argument(
         "--ratio-to",
@@ -138,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg["seq_lens"] = args.seq_lens
         if args.rounds is not None:
             cfg["rounds"] = args.rounds
+        if args.profile:
+            cfg["profile"] = True
         if args.runs:
             names = [r.get("name", r["method"]) for r in cfg["runs"]]
             missing = sorted(set(args.runs) - set(names))
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg["runs"] = [r for r, name in zip(cfg["runs"], names, strict=True) if name in args.runs]
         run_bench(cfg, args.out or cfg.get("out"))
         return 0
-    from poros_lightning.bench.report import load_rows, markdown_table, ratio_table, render_html
+    from poros_lightning.bench.report import load_rows, markdown_table, profile_table, ratio_table, render_html
 
     rows = load_rows(args.jsonl)
     for cond in args.where:
@@ -162,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ratio_to:
         print()
         print(ratio_table(rows, args.ratio_to))
+    if args.profile:
+        print()
+        print(profile_table(rows))
     print(f"\nwrote {args.output}")
     return 0
 

@@ -47,6 +47,12 @@ def _host_rss() -> float:
     return psutil.Process().memory_info().rss / 1e9
 
 
+def _recorder(events: list[Any]) -> Callable[[], None]:
+    """A ``mark()`` that records the next of ``events`` on the current stream (nothing without events)."""
+    pending = iter(events)
+    return lambda: next(pending).record() if events else None
+
+
 def _step_loop(
     model: torch.nn.Module,
     batches: list[torch.Tensor],
@@ -54,11 +60,13 @@ def _step_loop(
     vocab: int,
     device: str,
     ring: Any = None,
+    head: Any = None,
     optimizer_on_host: bool = False,
     peaks: dict[str, float] | None = None,
     issued: list[float] | None = None,
     split: dict[str, list[float]] | None = None,
     counts: dict[str, int] | None = None,
+    profile: dict[str, Any] | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -71,7 +79,11 @@ def _step_loop(
     as ``optimizer_on_host``'s synchronization, count as issuing). ``split`` (CUDA) receives, for each timed
     step, the GPU seconds of its ``forward`` (model and loss), ``backward`` and ``update``, from CUDA events
     on the compute stream: where a streamed step spends the time a resident one does not. ``counts``
-    receives ``optimizer_prefetches``: the steps whose backward started the optimizer state's copy in.
+    receives ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
+    ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
+    host ``head``'s copies), as they stood after the timed steps.
+    ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
+    timed ones (:func:`~poros_lightning.bench.timeline.profile_step`): where that step's GPU time went.
 
     Each step is timed until the compute stream has finished it: copies on side streams that a training
     loop overlaps with the next step (``optimizer_on_host``'s copy out) run on into the next step's time,
@@ -94,6 +106,26 @@ def _step_loop(
         if cuda:
             torch.cuda.current_stream().synchronize()
 
+    def step(ids: torch.Tensor, mark: Callable[[], None]) -> None:
+        mark()
+        if host is not None:
+            host.arm()
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        del logits
+        mark()
+        loss.backward()
+        mark()
+        phase_end("forward_backward")
+        if host is not None:
+            host.to_device()
+        opt.step()
+        if host is not None:
+            host.to_host()
+        opt.zero_grad(set_to_none=True)
+        mark()
+        phase_end("update")
+
     times = []
     for i, ids in enumerate(batches):
         ids = ids.to(device, non_blocking=True)
@@ -102,29 +134,7 @@ def _step_loop(
             ring.time_copies()
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
         t = time.perf_counter()
-        if marks:
-            marks[0].record()
-        if host is not None:
-            host.arm()
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        del logits
-        if marks:
-            marks[1].record()
-        loss.backward()
-        if marks:
-            marks[2].record()
-        phase_end("forward_backward")
-        if host is not None:
-            host.to_device()
-        opt.step()
-        if host is not None:
-            host.to_host()
-        opt.zero_grad(set_to_none=True)
-        if marks:
-            marks[3].record()
-        phase_end("update")
-        del loss
+        step(ids, _recorder(marks))
         done_issuing = time.perf_counter()
         wait()
         if i >= warmup:
@@ -140,10 +150,24 @@ def _step_loop(
         t = time.perf_counter()
         torch.cuda.synchronize()
         times[-1] += time.perf_counter() - t
+    # What the timed steps copied, before a profiled step adds to it.
+    if ring is not None and counts is not None:
+        counts["ring_loads"] = ring.loads
+        counts["copy_stats"] = ring.copy_stats()
+        ring.time_copies(False)
+    if head is not None and counts is not None:
+        counts["head_loads"] = head.loads
+    if host is not None and counts is not None:
+        counts["optimizer_prefetches"] = host.prefetches
+    if profile is not None and cuda and batches:
+        from poros_lightning.bench.timeline import profile_step
+
+        ids = batches[-1].to(device)
+        kept = dict(phases)  # the peaks are the timed steps'
+        profile.update(profile_step(lambda mark: step(ids, mark)))
+        phases.update(kept)
     if host is not None:
         host.close()
-        if counts is not None:
-            counts["optimizer_prefetches"] = host.prefetches
     opt.state.clear()
     return times
 
@@ -160,13 +184,14 @@ def bench_methods(
     quantization: str = "nf4-dq",
     blockwise: bool | None = None,
     compile_layers: bool = False,
+    profile: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Build the model once and time each run of ``runs`` on it, in order.
 
     Each run is a dict with ``method`` (one of :data:`METHODS`), an optional ``name``, engine options
     for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``keep_activations``,
-    ``embeddings_on_host``, ``head_on_host``), an optional
+    ``embeddings_on_host``, ``head_on_host``, ``head_copies``, ``inputs_on_host``), an optional
     ``optimizer_on_host`` (AdamW state in host memory between steps, as ``PorosStrategy`` does) and an
     optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
     card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
@@ -174,7 +199,9 @@ def bench_methods(
     and the run is capped at the budget). ``compile_layers``: every run computes with each decoder
     layer under ``torch.compile`` (:func:`~poros_lightning.compiling.compile_layers`). Between runs the adapter is reset
     and the model returns to resident, so every method trains the same bytes. ``blockwise``: see
-    :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit). ``on_row`` is
+    :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit). ``profile``
+    (CUDA): each run profiles one more step after its timed ones and adds its per-phase summary to the row
+    as ``profile_*`` fields (:func:`~poros_lightning.bench.timeline.summarize_trace`). ``on_row`` is
     called with each row as soon as its run ends (a run killed later loses nothing already measured).
     """
     from poros_lightning.api import engine_of, prepare, unprepare
@@ -209,6 +236,8 @@ def bench_methods(
                 "keep_activations",
                 "embeddings_on_host",
                 "head_on_host",
+                "head_copies",
+                "inputs_on_host",
             )
             if k in run
         }
@@ -267,7 +296,8 @@ def bench_methods(
             peaks: dict[str, float] = {}
             issued: list[float] = []
             split: dict[str, list[float]] = {}
-            counts: dict[str, int] = {}
+            counts: dict[str, Any] = {}
+            profiled: dict[str, Any] | None = {} if profile else None
             times = _step_loop(
                 model,
                 batches,
@@ -275,11 +305,13 @@ def bench_methods(
                 vocab,
                 device,
                 ring,
+                head,
                 optimizer_on_host=optimizer_on_host,
                 peaks=peaks,
                 issued=issued,
                 split=split,
                 counts=counts,
+                profile=profiled,
             )
             s_per_step = sum(times) / len(times)
             row.update(
@@ -294,14 +326,17 @@ def bench_methods(
                 peak_update_gb=peaks["update"] / 1e9 if device == "cuda" else None,
                 peak_reserved_gb=peaks["reserved"] / 1e9 if device == "cuda" else None,
                 host_rss_gb=_host_rss(),
+                **{f"profile_{k}": v for k, v in (profiled or {}).items()},
             )
             if "optimizer_prefetches" in counts:
                 row["optimizer_prefetches_per_step"] = counts["optimizer_prefetches"] / (warmup + steps)
             if engine is not None:
-                copies = engine.ring.loads - loads0
-                timed = engine.ring.copy_stats()
+                copies = counts["ring_loads"] - loads0
+                timed = counts["copy_stats"]
                 if head is not None:
-                    row.update(head_loads_per_step=(head.loads - head0) / (warmup + steps), head_mb=head.nbytes / 1e6)
+                    row.update(
+                        head_loads_per_step=(counts["head_loads"] - head0) / (warmup + steps), head_mb=head.nbytes / 1e6
+                    )
                 row.update(
                     num_blocks=engine.num_blocks,
                     block_mb=engine.store.max_block_bytes / 1e6,

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_rows", "markdown_table", "ratio_table", "render_html"]
+__all__ = ["load_rows", "markdown_table", "profile_table", "ratio_table", "render_html"]
 
 _COLUMNS = (
     ("model", "model"),
@@ -58,6 +58,31 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of ``rows`` (the README and docs embed its output)."""
     lines = ["| " + " | ".join(h for _, h in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+_PROFILE = (
+    ("s", "s"),
+    ("busy_s", "compute busy s"),
+    ("idle_copying_s", "waits on copies s"),
+    ("idle_host_s", "waits on host s"),
+    ("compute_copy_s", "copies on compute stream s"),
+    ("side_h2d_gb", "side H2D GB"),
+    ("d2h_gb", "D2H GB"),
+)
+
+
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of the profiled step of every row that has one (``bench run --profile``), by phase."""
+    lines = [
+        "| method | phase | " + " | ".join(h for _, h in _PROFILE) + " |",
+        "|---|---|" + "---|" * len(_PROFILE),
+    ]
+    for row in rows:
+        for phase in ("forward", "backward", "update"):
+            if f"profile_{phase}_s" in row:
+                cells = [_fmt(row.get(f"profile_{phase}_{key}")) for key, _ in _PROFILE]
+                lines.append(f"| {row['method']} | {phase} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

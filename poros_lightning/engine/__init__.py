@@ -6,6 +6,7 @@
 - :mod:`~poros_lightning.engine.engine`: :class:`StreamingEngine`, which ties them to a list of layers.
 - :mod:`~poros_lightning.engine.microbatch`: block-major micro-batches (each block once for all of them).
 - :mod:`~poros_lightning.engine.head`: the LM head's weight in host memory, on the device only while used.
+- :mod:`~poros_lightning.engine.offload`: recomputed layers' saved inputs in host memory between forward and backward.
 """
 
 from poros_lightning.engine.block import LayerStreamer

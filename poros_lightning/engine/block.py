@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from poros_lightning.engine.offload import InputOffload
 from poros_lightning.engine.slots import SlotRing
 from poros_lightning.errors import PorosConfigError
 
@@ -96,6 +97,8 @@ class LayerStreamer:
         # Called with the layer's index at each layer's forward (not its recompute), after its block's
         # copies are queued: e.g. to queue a piece of the LM head's copy behind them.
         self.on_forward: list[Callable[[int], None]] = []
+        # Set by the engine with ``inputs_on_host``: where recomputed layers' inputs wait (engine/offload.py).
+        self.inputs: InputOffload | None = None
         self._saved: list[tuple[nn.Module, Any]] = []
 
     def install(self) -> None:
@@ -126,13 +129,15 @@ class LayerStreamer:
                 callback(index)
         return original(*args, **kwargs)
 
-    def _reload(self, block: int, grad: torch.Tensor) -> None:
+    def _reload(self, index: int, grad: torch.Tensor) -> None:
         # Note: [reload at the output's gradient]
-        self.ring.ensure(block, backward=True)
+        self.ring.ensure(self.block_of[index], backward=True)
+        if self.inputs is not None and index > 0:
+            self.inputs.prefetch(index - 1)  # behind the reload of its block, if that is another one
 
     def _hook_output(self, index: int, out: Any) -> Any:
         # Every output tensor (hidden states, and whatever else a layer returns) reloads the block.
-        reload = functools.partial(self._reload, self.block_of[index])
+        reload = functools.partial(self._reload, index)
         for leaf in tree_leaves(out):
             if torch.is_tensor(leaf) and leaf.requires_grad:
                 leaf.register_hook(reload)
@@ -151,14 +156,20 @@ class LayerStreamer:
                     "recompute in the backward would write to the cache a second time.",
                     "Call the model with use_cache=False when training (prepare() sets config.use_cache=False).",
                 )
-        out = checkpoint(
-            self._run,
-            index,
-            original,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=self._contexts,
-            **kwargs,
+        offload = (
+            torch.autograd.graph.saved_tensors_hooks(functools.partial(self.inputs.pack, index), self.inputs.unpack)
+            if self.inputs is not None
+            else contextlib.nullcontext()
         )
+        with offload:  # sees the inputs checkpoint saves, not the layer's activations (engine/offload.py)
+            out = checkpoint(
+                self._run,
+                index,
+                original,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=self._contexts,
+                **kwargs,
+            )
         return self._hook_output(index, out)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from poros_lightning.engine.block import LayerStreamer
+from poros_lightning.engine.offload import InputOffload
 from poros_lightning.engine.slots import SlotRing, rebind
 from poros_lightning.engine.store import ArenaFactory, HostStore, Layout
 from poros_lightning.errors import PorosConfigError
@@ -36,6 +37,9 @@ class EngineOptions:
             step, for the memory of their activations). A number >= the layer count keeps them all.
         resident_blocks: the first blocks get a device slot of their own and are copied once (fewer
             copies per step when memory allows; the first block then never waits at a step's start).
+        inputs_on_host: the input each recomputing layer saves for its recompute (its hidden state) waits
+            in pinned host memory between the forward and the backward (exact; two copies of it per step,
+            on side streams; see engine/offload.py).
     """
 
     block_size: int = 1
@@ -45,6 +49,7 @@ class EngineOptions:
     use_streams: bool = True
     keep_activations: int = 0
     resident_blocks: int = 0
+    inputs_on_host: bool = False
 
     def validate(self, num_layers: int) -> EngineOptions:
         if self.block_size < 1:
@@ -144,6 +149,8 @@ class StreamingEngine:
         self.streamer = LayerStreamer(
             self.layers, self.block_of, self.ring, keep_activations=self.options.keep_activations
         )
+        if self.options.inputs_on_host:
+            self.streamer.inputs = InputOffload(self.device, self.ring.copy_stream if self.ring.use_streams else None)
         self.streamer.install()
         self.host_embedding: Any = None  # set by prepare(): modules kept in host memory
         self.host_head: Any = None

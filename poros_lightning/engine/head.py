@@ -92,9 +92,23 @@ class HostHead:
         module: the head (an ``nn.Linear``-like module with a frozen ``weight``).
         device: the compute device.
         copy_stream: a CUDA stream for the prefetch copy (``None``: copies run on the compute stream).
+        copies: copies of the weight per step: 2 (for the forward and again for the backward) or 1 (the
+            forward's copy is kept for the backward; Note: [one copy per step]).
     """
 
-    def __init__(self, module: nn.Module, device: torch.device, copy_stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        copy_stream: torch.cuda.Stream | None = None,
+        copies: int = 2,
+    ) -> None:
+        if copies not in (1, 2):
+            raise PorosConfigError(
+                f"head_copies must be 1 or 2, got {copies!r}.",
+                "Use head_copies=2 (the weight and the fp32 logits never share the device) or 1 (one copy per step).",
+            )
+        self.copies = copies
         self.module = module
         self.device = device
         self.copy_stream = copy_stream if device.type == "cuda" else None
@@ -215,7 +229,10 @@ class HostHead:
         self._group, self._storage = group, dev.untyped_storage().data_ptr()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return self._original(*args, **kwargs)
+                out = self._original(*args, **kwargs)
+            if self.copies == 1 and group.pending:
+                group.weight = dev  # Note: [one copy per step]
+            return out
         finally:
             self._group = self._storage = None
             weight.data = self.host

@@ -239,7 +239,8 @@ def run_parity(
     accumulation 2 with dropout), ``"block_major"`` (the reference accumulates 3 micro-batches; the
     streamed arm runs them block-major, ``PorosStrategy(micro_batches=3)``), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
     :mod:`poros_lightning.compiling`), ``"min_memory"`` (LoRA dropout 0.1; the streamed arm keeps the
-    input embeddings, the LM head's weight and the optimizer moments in host memory), ``"keep_activations"`` (LoRA
+    input embeddings, the LM head's weight, the layers' saved inputs and the optimizer moments in host memory;
+    :data:`MIN_MEMORY`), ``"keep_activations"`` (LoRA
     dropout 0.1; the streamed arm's layers keep their activations instead of recomputing them). ``blockwise``:
     see :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
@@ -334,8 +335,15 @@ def _num_layers(config: dict[str, Any]) -> int:
     return int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
 
 
-MIN_MEMORY = {"embeddings_on_host": True, "head_on_host": True, "optimizer_on_host": True}
-"""The streamed arm's options in ``min_memory`` mode: everything that can wait in host memory does."""
+MIN_MEMORY = {
+    "embeddings_on_host": True,
+    "head_on_host": True,
+    "head_copies": 1,
+    "inputs_on_host": True,
+    "optimizer_on_host": True,
+}
+"""The streamed arm's options in ``min_memory`` mode: everything that can wait in host memory does (the LM
+head copied in once per step, as the planner chooses it when the head fits beside the logits)."""
 
 
 def as_dict(result: ParityResult) -> dict[str, Any]:

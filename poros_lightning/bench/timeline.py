@@ -1,0 +1,154 @@
+"""Where a step's GPU time goes: one profiled step, summarized per phase from the CUDA timeline.
+
+Invariant: every figure is read from the kernels and copies the profiler recorded; nothing is estimated.
+
+Note: [what the compute stream waits for]
+    A phase (``forward``, ``backward``, ``update``; marker kernels on the compute stream bound them) is
+    split into the compute stream's busy time and its idle time. Idle time during which a host-to-device
+    copy ran on another stream is counted as waiting on the link (``idle_copying_s``); idle time with no
+    such copy is the compute stream waiting on something else, almost always the host launching kernels
+    (``idle_host_s``). Copies the compute stream runs itself count as busy and, separately, as
+    ``compute_copy_s``. A transfer-bound phase shows large ``idle_copying_s``; a launch-bound one large
+    ``idle_host_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MARKER", "summarize_trace", "profile_step"]
+
+MARKER = "spin_kernel"
+"""Name of the kernel ``torch.cuda._sleep`` launches: the phase boundaries of a profiled step."""
+
+_GPU = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _clip(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _gaps(busy: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    out, at = [], lo
+    for a, b in busy:
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
+def _h2d(event: dict[str, Any]) -> bool:
+    return event.get("cat") == "gpu_memcpy" and "HtoD" in event.get("name", "")
+
+
+def summarize_trace(
+    trace: dict[str, Any], phases: tuple[str, ...] = ("forward", "backward", "update")
+) -> dict[str, Any]:
+    """Per-phase figures of one step from a Chrome trace (``torch.profiler`` export).
+
+    The step must contain ``len(phases) + 1`` marker kernels (:data:`MARKER`) on its compute stream.
+    Returns ``{phase}_{figure}`` keys, seconds unless named otherwise: ``s`` (the phase's length),
+    ``busy_s``, ``idle_copying_s``, ``idle_host_s``, ``compute_copy_s`` (Note: [what the compute stream
+    waits for]), ``kernels`` (compute-stream kernels), ``side_h2d_s`` and ``side_h2d_gb`` (host-to-device
+    copies on other streams, 1e9 bytes), ``d2h_gb`` (device-to-host copies on any stream).
+    """
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in _GPU]
+    markers = sorted(
+        (e for e in events if e.get("cat") == "kernel" and MARKER in e.get("name", "")), key=lambda e: e["ts"]
+    )
+    if len(markers) != len(phases) + 1:
+        raise ValueError(f"expected {len(phases) + 1} phase markers in the trace, found {len(markers)}")
+    stream = markers[0].get("args", {}).get("stream")
+    compute = [e for e in events if e.get("args", {}).get("stream") == stream and MARKER not in e.get("name", "")]
+    side = [e for e in events if e.get("args", {}).get("stream") != stream]
+
+    def spans(evs: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
+        return _union((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in evs)
+
+    busy_all = spans(compute)
+    copy_all = spans(e for e in compute if e.get("cat") == "gpu_memcpy")
+    kernel_starts = [float(e["ts"]) for e in compute if e.get("cat") == "kernel"]
+    side_h2d = [e for e in side if _h2d(e)]
+    side_h2d_all = spans(side_h2d)
+    out: dict[str, Any] = {}
+    for name, start, end in zip(phases, markers, markers[1:], strict=False):
+        lo, hi = float(start["ts"]) + float(start.get("dur", 0)), float(end["ts"])
+        busy = _clip(busy_all, lo, hi)
+        idle = _gaps(busy, lo, hi)
+        copying = _intersect(idle, _clip(side_h2d_all, lo, hi))
+        inside = [e for e in events if lo <= float(e["ts"]) < hi]
+        out.update(
+            {
+                f"{name}_s": (hi - lo) / 1e6,
+                f"{name}_busy_s": _length(busy) / 1e6,
+                f"{name}_idle_copying_s": _length(copying) / 1e6,
+                f"{name}_idle_host_s": (_length(idle) - _length(copying)) / 1e6,
+                f"{name}_compute_copy_s": _length(_clip(copy_all, lo, hi)) / 1e6,
+                f"{name}_kernels": sum(1 for t in kernel_starts if lo <= t < hi),
+                f"{name}_side_h2d_s": _length(_clip(side_h2d_all, lo, hi)) / 1e6,
+                f"{name}_side_h2d_gb": sum(float(e.get("args", {}).get("bytes", 0)) for e in inside if _h2d(e)) / 1e9,
+                f"{name}_d2h_gb": sum(
+                    float(e.get("args", {}).get("bytes", 0))
+                    for e in inside
+                    if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")
+                )
+                / 1e9,
+            }
+        )
+    return out
+
+
+def profile_step(step: Callable[[Callable[[], None]], None]) -> dict[str, Any]:
+    """Run ``step(mark)`` once under the CUDA profiler and summarize it (:func:`summarize_trace`).
+
+    ``step`` calls ``mark()`` at each phase boundary (four times: before the forward, after it, after
+    the backward, after the update); ``mark`` queues a marker kernel on the current stream.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def mark() -> None:
+        torch.cuda._sleep(1)
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(mark)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return summarize_trace(trace)
