@@ -176,3 +176,13 @@ def test_profile_is_cuda_only(tmp_path: Path) -> None:
     assert main(["run", str(path), "--profile"]) == 0
     (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
     assert row["s_per_step"] > 0 and not any(k.startswith("profile_") for k in row)  # on CPU: none made up
+
+
+def test_report_prints_the_profile_of_profiled_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    phases = {f"profile_{p}_{k}": 0.5 for p in ("forward", "backward", "update") for k in ("s", "busy_s")}
+    rows = [{"method": "poros", "s_per_step": 1.0, **phases}, {"method": "resident_gc", "s_per_step": 1.0}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(path), "--profile", "-o", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "| poros | backward | 0.500 | 0.500 | — |" in out and "| resident_gc | forward" not in out
