@@ -15,7 +15,7 @@ from torch import nn
 from poros_lightning import quant
 from poros_lightning.arch import arch_for_model, resolve
 from poros_lightning.engine import EngineOptions, StreamingEngine, move_resident
-from poros_lightning.engine.head import HostHead, check_frozen_head
+from poros_lightning.engine.head import HostHead, check_frozen_head, check_head_copies
 from poros_lightning.engine.store import ArenaFactory
 from poros_lightning.errors import PorosConfigError
 
@@ -205,11 +205,7 @@ def prepare(
         keep_activations=keep_activations,
         inputs_on_host=inputs_on_host,
     )
-    if head_copies not in (1, 2):
-        raise PorosConfigError(
-            f"head_copies must be 1 or 2, got {head_copies!r}.",
-            "Use head_copies=2 (the weight and the fp32 logits never share the device) or 1 (one copy per step).",
-        )
+    check_head_copies(head_copies)  # refused before anything moves
     if keep_activations:
         _check_no_shared_kv(base)
     quant.disable_cpu_repacking(model)

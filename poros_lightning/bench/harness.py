@@ -65,7 +65,7 @@ def _step_loop(
     peaks: dict[str, float] | None = None,
     issued: list[float] | None = None,
     split: dict[str, list[float]] | None = None,
-    counts: dict[str, int] | None = None,
+    counts: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.

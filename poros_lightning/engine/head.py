@@ -44,7 +44,7 @@ from torch import nn
 from poros_lightning.engine.engine import move_resident
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["HostHead", "check_frozen_head"]
+__all__ = ["HostHead", "check_frozen_head", "check_head_copies"]
 
 
 def check_frozen_head(module: nn.Module) -> None:
@@ -54,6 +54,15 @@ def check_frozen_head(module: nn.Module) -> None:
             "head_on_host keeps a frozen LM head in host memory, but this head's weight is trained "
             "(modules_to_save, or requires_grad=True).",
             "Drop head_on_host, or leave the LM head's weight out of modules_to_save (LoRA on it is fine).",
+        )
+
+
+def check_head_copies(copies: int) -> None:
+    """Raise :class:`PorosConfigError` unless ``copies`` is 1 or 2 (Note: [one copy per step])."""
+    if copies not in (1, 2):
+        raise PorosConfigError(
+            f"head_copies must be 1 or 2, got {copies!r}.",
+            "Use head_copies=2 (the weight and the fp32 logits never share the device) or 1 (one copy per step).",
         )
 
 
@@ -103,11 +112,7 @@ class HostHead:
         copy_stream: torch.cuda.Stream | None = None,
         copies: int = 2,
     ) -> None:
-        if copies not in (1, 2):
-            raise PorosConfigError(
-                f"head_copies must be 1 or 2, got {copies!r}.",
-                "Use head_copies=2 (the weight and the fp32 logits never share the device) or 1 (one copy per step).",
-            )
+        check_head_copies(copies)
         self.copies = copies
         self.module = module
         self.device = device
