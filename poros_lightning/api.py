@@ -162,7 +162,7 @@ def prepare(
         num_slots: device slots in the ring (default ``prefetch + 1``).
         pin_memory: page-lock the host store (CUDA only).
         use_streams: copy on a side CUDA stream (ignored on CPU, where copies are synchronous).
-        resident_blocks: the first blocks stay on the device (copied once) when memory allows.
+        resident_blocks: this many blocks, spread over the model, stay on the device (copied once) when memory allows.
         keep_activations: the last ``keep_activations`` decoder layers keep their activations until the
             backward instead of recomputing them (exact; fewer kernels per step, more memory). A number
             >= the layer count keeps every layer's.

@@ -197,6 +197,7 @@ def check(
     quantization: str = "nf4-dq",
     prefetch: int = 1,
     allow_unlisted: bool = False,
+    link_gbps: float | None = None,
 ) -> CheckResult:
     """Check MODEL's support status and plan its memory (see :func:`poros_lightning.planner.plan_memory`).
 
@@ -210,6 +211,8 @@ def check(
         quantization: ``nf4-dq`` (default), ``nf4``, ``fp4`` or ``none``.
         prefetch: blocks copied ahead of the one computing.
         allow_unlisted: treat an unregistered model type as experimental with a guessed layout.
+        link_gbps: the pinned host-to-device bandwidth the planner plans for (``doctor`` measures it;
+            default :data:`~poros_lightning.planner.DEFAULT_LINK_GBPS`).
 
     Returns:
         The result; an unsupported model gives ``supported=False`` and the reason in ``error``.
@@ -251,7 +254,7 @@ def check(
         try:
             engine_plan = plan_engine(
                 cfg, vram_budget, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization,
-                lora_targets=spec.lora_targets,
+                lora_targets=spec.lora_targets, link_gbps=link_gbps,
             ).explanation  # fmt: skip
         except PorosOOMError as err:
             engine_plan = (str(err).splitlines()[0],)
@@ -343,6 +346,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefetch", type=int, default=1, help="blocks copied ahead (default: 1)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="nf4-dq", help="base quantization")
     parser.add_argument("--vram-budget", help="GPU memory to plan for, e.g. 8GB, 24GiB")
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        help="pinned host-to-device GB/s to plan for (`poros-lightning doctor` measures it; default 25, PCIe 4.0 x16)",
+    )
     parser.add_argument("--allow-unlisted", action="store_true", help="try an unregistered model type (guessed layout)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
@@ -363,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             quantization=args.quantization,
             prefetch=args.prefetch,
             allow_unlisted=args.allow_unlisted,
+            link_gbps=args.link_gbps,
         )
     except PorosConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -30,6 +30,13 @@ _BLOCKSIZE = 64  # bitsandbytes 4-bit quantization block
 _NESTED_BLOCKSIZE = 256  # blocks of the double-quantized absmax
 _BF16 = 2
 _LORA_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 weight, fp32 gradient, two fp32 Adam moments
+DEFAULT_LINK_GBPS = 25.0
+"""Pinned host-to-device bandwidth the planner assumes when it is not told one: a PCIe 4.0 x16 link, the
+consumer cards' (``poros-lightning doctor`` measures it; the H200's Gen5 link gives 55 GB/s)."""
+LAYER_FORWARD_S = 4e-3
+"""About how long a decoder layer's forward takes to issue: some 100 kernel launches at about 40 us of host time
+each (the resident Qwen2.5-72B forward on the H200: 8191 kernels in 0.30-0.53 s, docs/benchmarks/qwen2.5-72b.jsonl).
+A streamed layer whose copy takes longer than this is bound by the link (Note: [link-bound layers])."""
 
 _UNITS = {
     "": 1,
@@ -336,7 +343,7 @@ class EnginePlan:
     Attributes:
         block_size: decoder layers per block.
         prefetch: blocks copied ahead.
-        resident_blocks: leading blocks kept on the device (copied once).
+        resident_blocks: blocks kept on the device, spread over the model (copied once).
         keep_activations: last decoder layers that keep their activations (no recompute).
         embeddings_on_host: keep the input embedding table in host memory.
         head_on_host: keep the LM head's weight in host memory, copied in for its forward and backward.
@@ -390,6 +397,7 @@ def plan_engine(
     lora_targets: Sequence[str] | None = None,
     head_frozen: bool = True,
     keep_activations: bool = True,
+    link_gbps: float | None = None,
 ) -> EnginePlan:
     """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
 
@@ -410,12 +418,22 @@ def plan_engine(
     (``head_copies=1``, one head copy per step). It does not move the layers' inputs out to make room: on the
     H200 that costs the step more than the head's copy saves (docs/benchmarks.md).
 
-    Memory left over (10% of the budget is kept as headroom) goes first to the last layers' activations
-    (``keep_activations``: each kept layer skips its recompute, one layer forward fewer per step, which pays
-    whether the step is bound by compute or by kernel launches), and what is left after that (every layer
-    kept, or less than one more layer's activations) to resident blocks (the first blocks, copied once: two
-    copies fewer each per step, which pays only where copies are not hidden). ``keep_activations=False``, and
-    models whose layers share keys and values (which cannot keep them), spend it all on resident blocks.
+    Memory left over (10% of the budget is kept as headroom) buys either of two things. Resident blocks (spread
+    over the model, copied once: two copies fewer each per step) pay where the link bounds the step; kept
+    activations (``keep_activations``: the last layers skip their recompute, one layer forward fewer each per
+    step) pay where compute or kernel launches bound it. When a block's copy at ``link_gbps`` (default
+    :data:`DEFAULT_LINK_GBPS`) takes longer than a layer's forward (:data:`LAYER_FORWARD_S`), the layers are
+    link-bound and resident blocks come first, kept activations from what is left; otherwise kept activations
+    come first, resident blocks from what is left (every layer kept, or less than one more layer's
+    activations). ``keep_activations=False``, and models whose layers share keys and values (which cannot keep
+    them), spend it all on resident blocks.
+
+    Note: [link-bound layers]
+        At Qwen2.5-72B on the H200 (seq 512), a 453 MB block takes 8.2 ms to copy at 55 GB/s, twice a layer's
+        forward: the streamed forward waits on copies whatever else is on the device. With 24 GB, 22 spread
+        resident blocks ran at 1.10x a resident step, while the same memory spent on 31 layers' kept
+        activations ran at 1.33x (docs/benchmarks.md, "72B: where the time goes"). At 7B a block copies in
+        2.3 ms and kept activations remain the better use.
     Larger blocks are not chosen: a layer per block already hides copies behind compute, and smaller slots
     leave more room for the rest.
 
@@ -497,6 +515,27 @@ def plan_engine(
     kept = 0
     if int(text.get("num_kv_shared_layers") or 0):
         keep_activations = False  # refused by prepare(): a later layer's backward reads an earlier layer's K/V
+    gbps = float(link_gbps) if link_gbps else DEFAULT_LINK_GBPS
+    copy_s = plan.per_block_bytes / (gbps * 1e9)
+    link_bound = copy_s > LAYER_FORWARD_S
+    resident = 0
+    if keep_activations and spare > 0:
+        why.append(
+            f"a block copies in {copy_s * 1e3:.1f} ms at {gbps:.1f} GB/s, "
+            + (
+                f"longer than a layer's forward (about {LAYER_FORWARD_S * 1e3:.0f} ms): resident blocks first"
+                if link_bound
+                else f"within a layer's forward (about {LAYER_FORWARD_S * 1e3:.0f} ms): kept activations first"
+            )
+        )
+    if link_bound and keep_activations and plan.per_block_bytes and spare > 0:
+        resident = max(int(min(plan.num_blocks - 2, spare // plan.per_block_bytes)), 0)
+        spare -= resident * plan.per_block_bytes
+        if resident:
+            why.append(
+                f"{resident} of {plan.num_blocks} blocks stay resident, spread over the model (copied once): "
+                f"{format_bytes(need() + resident * plan.per_block_bytes)}"
+            )
     if keep_activations and plan.activation_layer_bytes and spare > 0:
         kept = min(plan.num_layers, spare // plan.activation_layer_bytes)
         spare -= kept * plan.activation_layer_bytes
@@ -505,13 +544,17 @@ def plan_engine(
         if kept:
             why.append(
                 f"the last {kept} of {plan.num_layers} layers keep their activations (no recompute, "
-                f"{format_bytes(plan.activation_layer_bytes)} each): {format_bytes(total)}"
+                f"{format_bytes(plan.activation_layer_bytes)} each): {format_bytes(total + resident * plan.per_block_bytes)}"
             )
-    resident = min(plan.num_blocks - 2, spare // plan.per_block_bytes) if plan.per_block_bytes and spare > 0 else 0
-    resident = max(int(resident), 0)
+    if not resident:
+        resident = min(plan.num_blocks - 2, spare // plan.per_block_bytes) if plan.per_block_bytes and spare > 0 else 0
+        resident = max(int(resident), 0)
+        if resident:
+            why.append(
+                f"{resident} of {plan.num_blocks} blocks stay resident, spread over the model (copied once): "
+                f"{format_bytes(total + resident * plan.per_block_bytes)}"
+            )
     total += resident * plan.per_block_bytes
-    if resident:
-        why.append(f"{resident} of {plan.num_blocks} blocks stay resident (copied once): {format_bytes(total)}")
     why.append(f"budget {format_bytes(budget)}, estimated peak {format_bytes(total)}")
     return EnginePlan(
         1,

@@ -70,7 +70,7 @@ class PorosStrategy(SingleDeviceStrategy):
             (``"nf4-dq"``, ``"nf4"``, ``"fp4"``, ``"none"``).
         pin_memory: page-lock the host copy of the base (CUDA only).
         use_streams: copy on a side CUDA stream (``False``: synchronous copies, for debugging).
-        resident_blocks: leading blocks kept on the device (copied once per run instead of twice a step).
+        resident_blocks: blocks kept on the device, spread over the model (copied once per run instead of twice a step).
         keep_activations: the last ``keep_activations`` decoder layers keep their activations until the
             backward instead of recomputing them: exact, one layer forward fewer per step each (faster when
             the step is bound by kernel launches, short sequences), for the memory of their activations.
@@ -310,6 +310,19 @@ class PorosStrategy(SingleDeviceStrategy):
         batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
         return batch_size if isinstance(batch_size, int) and batch_size > 0 else self.micro_batches
 
+    def _link_gbps(self) -> float | None:
+        """The pinned host-to-device bandwidth, measured on this device (None off CUDA, or if pinning fails)."""
+        if self.root_device.type != "cuda":
+            return None
+        from poros_lightning.bench.harness import measure_h2d
+
+        try:
+            with torch.cuda.device(self.root_device):
+                return measure_h2d(nbytes=256 << 20, repeats=3)
+        except RuntimeError as err:  # pinned memory can be restricted (containers, ulimit -l)
+            log.warning("poros plan: could not measure the host-to-device link (%s); assuming the default", err)
+            return None
+
     def _plan(self, peft_model: nn.Module) -> dict[str, Any]:
         """Engine options for ``vram_budget`` (empty when no budget is set)."""
         if self.vram_budget is None:
@@ -342,6 +355,7 @@ class PorosStrategy(SingleDeviceStrategy):
             lora_r=int(lora.r),
             quantization=self.quantization,
             head_frozen=head_frozen,
+            link_gbps=self._link_gbps(),
         )
         for line in plan.explanation:
             log.info("poros plan: %s", line)

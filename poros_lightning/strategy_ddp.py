@@ -272,7 +272,7 @@ class PorosDDPStrategy(DDPStrategy):
         quantization: base quantization applied when the module's base is not quantized yet.
         pin_memory: page-lock the host copy of the base (CUDA only).
         use_streams: copy on a side CUDA stream.
-        resident_blocks: leading blocks kept on the device.
+        resident_blocks: blocks kept on the device, spread over the model.
         embeddings_on_host: keep the input embedding table in host memory (per rank, not shared).
         vram_budget: a per-GPU memory budget the planner fits ``resident_blocks``,
             ``embeddings_on_host`` and ``head_on_host`` to (see :class:`~poros_lightning.PorosStrategy`).

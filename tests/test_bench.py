@@ -45,6 +45,9 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
     assert list(rows) == ["resident", "resident_gc", "poros", "poros_min", "poros_planned", "poros_keep"]
     assert all(r["s_per_step"] > 0 and not r["oom"] for r in rows.values())
     assert all(0 < r["host_issue_s_per_step"] <= r["s_per_step"] for r in rows.values())
+    for r in rows.values():  # the host's clock splits the issuing into the step's three phases
+        phases = [r[f"host_{name}_s_per_step"] for name in ("forward", "backward", "update")]
+        assert all(p > 0 for p in phases) and sum(phases) <= r["host_issue_s_per_step"] + 1e-9
     assert rows["poros_min"]["head_loads_per_step"] == 2 and rows["poros_min"]["optimizer_on_host"]
     assert rows["poros"]["loads_per_step"] > 0 and "head_loads_per_step" not in rows["poros"]
     assert rows["poros_planned"]["plan"][-1].startswith("budget 4.00 GB")
@@ -186,3 +189,14 @@ def test_report_prints_the_profile_of_profiled_rows(tmp_path: Path, capsys: pyte
     assert main(["report", str(path), "--profile", "-o", str(tmp_path / "r.html")]) == 0
     out = capsys.readouterr().out
     assert "| poros | backward | 0.500 | 0.500 | — |" in out and "| resident_gc | forward" not in out
+
+
+def test_launch_probe_needs_cuda() -> None:
+    import torch
+
+    from poros_lightning.bench.launch_probe import probe
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        probe()

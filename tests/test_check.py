@@ -149,6 +149,16 @@ def test_vram_budget_report(capsys):
     assert "invalid size" in capsys.readouterr().err
 
 
+def test_link_gbps_decides_what_spare_memory_buys(capsys):
+    """A 7B block is link-bound on a PCIe 4.0 link (the default) and not at 55 GB/s (Note: [link-bound layers])."""
+    assert main(["Qwen/Qwen2.5-7B", "--vram-budget", "4GB"]) == 0
+    out = capsys.readouterr().out
+    assert "at 25.0 GB/s" in out and "resident blocks first" in out and "spread over the model" in out
+    assert main(["Qwen/Qwen2.5-7B", "--vram-budget", "4GB", "--link-gbps", "55"]) == 0
+    out = capsys.readouterr().out
+    assert "at 55.0 GB/s" in out and "kept activations first" in out and "keep their activations" in out
+
+
 def test_json_output(capsys):
     assert main(["google/gemma-3-1b-it", "--json", "--block-size", "2"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -8,6 +8,7 @@ from conftest import build_peft_model, differences, tiny_config, train_loop
 
 from poros_lightning import prepare, unprepare
 from poros_lightning.api import engine_of
+from poros_lightning.engine.slots import resident_positions
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,47 @@ def test_resident_blocks_and_host_embeddings(reference: dict) -> None:
     assert engine.ring.resident == 1 and len(engine.ring.slots) == 3
     got = train_loop(model)
     assert differences(reference, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
-    # block 0 is copied once; the three streamed blocks share a ring of two slots
+    # block 2 (the middle of the model) is copied once; the three streamed blocks share a ring of two slots
+    assert engine.ring.resident_at == [2]
     assert engine.ring.loads == (1 + 3 + 1) + 2 + 2
+
+
+@pytest.mark.parametrize(("resident", "keep"), [(2, 0), (2, 1), (3, 2)])
+def test_spread_resident_blocks_are_exact(reference: dict, resident: int, keep: int) -> None:
+    """Resident blocks between streamed ones (and kept activations on either kind) change no bit."""
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", resident_blocks=resident, keep_activations=keep)
+    assert engine_of(model).ring.resident_at == resident_positions(4, resident)
+    assert differences(reference, train_loop(model)) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+
+
+def test_resident_blocks_are_spread_and_the_ring_fills_behind_them() -> None:
+    """Resident blocks sit in the middle of equal stretches; while one computes, the ring copies ahead."""
+    assert resident_positions(4, 1) == [2] and resident_positions(4, 4) == [0, 1, 2, 3]
+    assert resident_positions(5, 0) == [] and resident_positions(80, 22)[:4] == [1, 5, 9, 12]
+    for blocks, resident in [(80, 22), (64, 63), (7, 3)]:
+        at = resident_positions(blocks, resident)
+        assert len(set(at)) == resident and at == sorted(at) and 0 <= at[0] and at[-1] < blocks
+    model = prepare(build_peft_model(lora_dropout=0.1), device="cpu", resident_blocks=1)
+    ring = engine_of(model).ring
+    issued: list[tuple[int, int]] = []  # (block being made computable, block copied)
+    ensure, copy = ring.ensure, ring._copy
+    current = [-1]
+
+    def traced_ensure(block: int, backward: bool = False) -> None:
+        current[0] = block
+        ensure(block, backward)
+
+    def traced_copy(block: int, slot: int) -> None:
+        issued.append((current[0], block))
+        copy(block, slot)
+
+    ring.ensure, ring._copy = traced_ensure, traced_copy
+    train_loop(model, steps=2)
+    # First step: blocks 0, 1, 3 and the resident 2 come in for the forward; the backward copies block 0
+    # while resident block 2 computes (two streamed blocks ahead: every ring slot is free then).
+    assert issued[:5] == [(0, 0), (0, 1), (1, 3), (2, 2), (2, 0)]
+    # Later steps: the turns reuse the ring; one copy each way.
+    assert issued[5:] == [(1, 3), (2, 0)]
 
 
 def test_head_on_host_is_exact_and_copies_the_head_per_use(reference: dict) -> None:

@@ -113,7 +113,7 @@ def _slow_copies(monkeypatch: pytest.MonkeyPatch, cycles: int = 20_000_000) -> N
     monkeypatch.setattr(SlotRing, "_copy", slow)
 
 
-def _qv_grads(keep: int | None, steps: int = 3) -> list[list[torch.Tensor]]:
+def _qv_grads(keep: int | None, steps: int = 3, resident: int = 0) -> list[list[torch.Tensor]]:
     """Per-step LoRA grads of a small Qwen2 with LoRA on q/v only (``keep=None``: resident)."""
     from poros_lightning import prepare
     from poros_lightning.parity.build import build_peft_model
@@ -124,7 +124,7 @@ def _qv_grads(keep: int | None, steps: int = 3) -> list[list[torch.Tensor]]:
     )  # fmt: skip
     model = build_peft_model(cfg, device="cuda", lora_r=8, target_modules=["q_proj", "v_proj"])
     if keep is not None:
-        model = prepare(model, device="cuda", keep_activations=keep)
+        model = prepare(model, device="cuda", keep_activations=keep, resident_blocks=resident)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     gen = torch.Generator().manual_seed(3)
@@ -140,15 +140,18 @@ def _qv_grads(keep: int | None, steps: int = 3) -> list[list[torch.Tensor]]:
     return grads
 
 
-@pytest.mark.parametrize("keep", [0, 6])
-def test_reload_is_ordered_before_a_frozen_linear_under_slow_copies(keep: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("keep", "resident"), [(0, 0), (6, 0), (0, 2), (2, 2)])
+def test_reload_is_ordered_before_a_frozen_linear_under_slow_copies(
+    keep: int, resident: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """LoRA on q/v only, copies slowed down: the first backward node of a layer (a frozen 4-bit down_proj,
-    which saves nothing) still waits for its block (Note: [reload at the output's gradient])."""
+    which saves nothing) still waits for its block (Note: [reload at the output's gradient]); with resident
+    blocks between streamed ones, the ring's copies two blocks ahead wait for the slots' last readers."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     ref = _qv_grads(None)
     _slow_copies(monkeypatch)
-    got = _qv_grads(keep)
+    got = _qv_grads(keep, resident=resident)
     assert all(torch.equal(a, b) for ra, ga in zip(ref, got, strict=True) for a, b in zip(ra, ga, strict=True))
 
 
@@ -281,3 +284,12 @@ def test_profiled_step_accounts_for_every_phase() -> None:
     assert by["poros"]["profile_forward_side_h2d_gb"] > 0.5 * by["poros"]["host_store_gb"]
     assert by["resident_gc"]["profile_forward_side_h2d_gb"] == 0
     assert by["poros"]["loads_per_step"] == pytest.approx(by["poros"]["num_blocks"] * 2 - 4, abs=2)
+
+
+def test_launch_probe_finds_a_bounded_queue() -> None:
+    """The host can queue only so many launches ahead of a busy GPU (docs/benchmarks.md, "72B: where the time goes")."""
+    from poros_lightning.bench.launch_probe import probe
+
+    row = probe(max_kernels=20000, sleep_s=2.0)
+    assert row["queue_depth_kernels"] is not None and 100 < row["queue_depth_kernels"] < 20000
+    assert 0 < row["launch_us_median"] < 1000

@@ -107,3 +107,26 @@ def test_keep_activations_mode_is_gated_without_recompute(tmp_path: Path, monkey
     (summary,) = [r for r in rows if r.get("summary")]
     assert summary["mode"] == "keep_activations" and summary["lora_dropout"] == 0.1 and summary["equal"]
     assert recomputes == []  # no layer of the streamed arm ran under checkpoint
+
+
+def test_resident_blocks_mode_is_gated_with_blocks_between_streamed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quarter of the streamed arm's blocks stay resident, spread: equal with dropout."""
+    from poros_lightning.engine.slots import SlotRing
+
+    rings: list[SlotRing] = []
+    init = SlotRing.__init__
+
+    def recording_init(self: SlotRing, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        rings.append(self)
+
+    monkeypatch.setattr(SlotRing, "__init__", recording_init)
+    path = _config(tmp_path, steps=2, block_sizes=[1], modes=["resident_blocks"])
+    assert main(["--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in rows if r.get("summary")]
+    assert summary["mode"] == "resident_blocks" and summary["lora_dropout"] == 0.1 and summary["equal"]
+    (ring,) = rings
+    assert ring.resident_at == [2]  # 4 layers: one resident block, between streamed ones

@@ -180,16 +180,39 @@ def test_plan_engine_fills_the_budget_and_names_the_minimum():
     from poros_lightning.planner import plan_engine
 
     cfg = known_config("Qwen/Qwen2.5-7B")
-    small, large = plan_engine(cfg, "4GB"), plan_engine(cfg, "16GB")
+    # At 55 GB/s a 7B block (120 MB) copies within a layer's forward: spare memory keeps activations first
+    # (the last layers), then blocks resident.
+    small, large = plan_engine(cfg, "4GB", link_gbps=55), plan_engine(cfg, "16GB", link_gbps=55)
     assert small.embeddings_on_host and not large.embeddings_on_host
-    # spare memory keeps activations first (the last layers), then blocks resident
     assert 0 < small.keep_activations < large.keep_activations == 28 and small.resident_blocks == 0
     assert 0 < large.resident_blocks <= 26
+    assert any("kept activations first" in line for line in small.explanation)
     assert plan_engine(cfg, "16GB", keep_activations=False).resident_blocks == 26
     assert small.vram_estimate <= 0.9 * small.vram_budget
     with pytest.raises(PorosOOMError, match="vram_budget >= ") as err:
         plan_engine(known_config("Qwen/Qwen2.5-72B"), "4GB")
     assert isinstance(err.value, MemoryError)
+
+
+def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
+    """Note: [link-bound layers]: a block that copies slower than a layer's forward makes resident blocks pay."""
+    from poros_lightning.arch.known import known_config
+    from poros_lightning.planner import DEFAULT_LINK_GBPS, LAYER_FORWARD_S, plan_engine, plan_memory
+
+    cfg = known_config("Qwen/Qwen2.5-72B")
+    block = plan_memory(cfg, seq_len=512).per_block_bytes
+    assert block / 55e9 > LAYER_FORWARD_S and block / (DEFAULT_LINK_GBPS * 1e9) > LAYER_FORWARD_S
+    plan = plan_engine(cfg, "24GB", link_gbps=55)
+    # 24 GB less 10% headroom holds 22 more blocks of 453 MB, and too little is left for a kept layer (319 MB)
+    assert (plan.resident_blocks, plan.keep_activations) == (22, 0)
+    assert any("resident blocks first" in line for line in plan.explanation)
+    assert plan.vram_estimate <= 0.9 * plan.vram_budget
+    # kept activations are what spare memory buys once every block is resident
+    roomy = plan_engine(cfg, "60GB", link_gbps=55)
+    assert roomy.resident_blocks == 78 and roomy.keep_activations > 0
+    # the 7B block is link-bound on a PCIe 4.0 link (the default), not at 55 GB/s
+    seven = known_config("Qwen/Qwen2.5-7B")
+    assert plan_engine(seven, "4GB").resident_blocks > 0 and plan_engine(seven, "4GB", link_gbps=55).resident_blocks == 0
 
 
 def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():

@@ -47,10 +47,17 @@ def _host_rss() -> float:
     return psutil.Process().memory_info().rss / 1e9
 
 
-def _recorder(events: list[Any]) -> Callable[[], None]:
-    """A ``mark()`` that records the next of ``events`` on the current stream (nothing without events)."""
+def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:
+    """A ``mark()`` that records the next of ``events`` on the current stream (nothing without events) and
+    appends the host's clock to ``stamps``."""
     pending = iter(events)
-    return lambda: next(pending).record() if events else None
+
+    def mark() -> None:
+        if events:
+            next(pending).record()
+        stamps.append(time.perf_counter())
+
+    return mark
 
 
 def _step_loop(
@@ -65,6 +72,7 @@ def _step_loop(
     peaks: dict[str, float] | None = None,
     issued: list[float] | None = None,
     split: dict[str, list[float]] | None = None,
+    host_split: dict[str, list[float]] | None = None,
     counts: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
 ) -> list[float]:
@@ -78,7 +86,9 @@ def _step_loop(
     step is bound by the host launching kernels rather than by the GPU (host waits inside the step, such
     as ``optimizer_on_host``'s synchronization, count as issuing). ``split`` (CUDA) receives, for each timed
     step, the GPU seconds of its ``forward`` (model and loss), ``backward`` and ``update``, from CUDA events
-    on the compute stream: where a streamed step spends the time a resident one does not. ``counts``
+    on the compute stream: where a streamed step spends the time a resident one does not. ``host_split``
+    receives the same phases on the host's clock: how long the host took to issue each (a phase whose
+    host time equals its GPU time held the host back, e.g. by filling the queue of kernel launches). ``counts``
     receives ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
     ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
     host ``head``'s copies), as they stood after the timed steps.
@@ -133,14 +143,18 @@ def _step_loop(
         if ring is not None and i == warmup:
             ring.time_copies()
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+        stamps: list[float] = []
         t = time.perf_counter()
-        step(ids, _recorder(marks))
+        step(ids, _recorder(marks, stamps))
         done_issuing = time.perf_counter()
         wait()
         if i >= warmup:
             times.append(time.perf_counter() - t)
             if issued is not None:
                 issued.append(done_issuing - t)
+            if host_split is not None:
+                for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
+                    host_split.setdefault(name, []).append(b - a)
             if split is not None and marks:
                 for name, (a, b) in zip(
                     ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
@@ -254,6 +268,7 @@ def bench_methods(
                 batch_size=batch_size,
                 lora_r=lora_r,
                 quantization=quantization,
+                link_gbps=measure_h2d(nbytes=256 << 20, repeats=3) if device == "cuda" else None,  # as PorosStrategy
             )
             engine_opts.update(plan.engine_kwargs())
             optimizer_on_host = plan.optimizer_on_host
@@ -296,6 +311,7 @@ def bench_methods(
             peaks: dict[str, float] = {}
             issued: list[float] = []
             split: dict[str, list[float]] = {}
+            host_split: dict[str, list[float]] = {}
             counts: dict[str, Any] = {}
             profiled: dict[str, Any] | None = {} if profile else None
             times = _step_loop(
@@ -310,6 +326,7 @@ def bench_methods(
                 peaks=peaks,
                 issued=issued,
                 split=split,
+                host_split=host_split,
                 counts=counts,
                 profile=profiled,
             )
@@ -320,6 +337,7 @@ def bench_methods(
                 s_per_step_min=min(times),
                 host_issue_s_per_step=sum(issued) / len(issued),
                 **{f"{name}_s_per_step": sum(v) / len(v) for name, v in split.items()},
+                **{f"host_{name}_s_per_step": sum(v) / len(v) for name, v in host_split.items()},
                 tokens_per_s=batch_size * seq_len / s_per_step,
                 peak_vram_gb=max(peaks["forward_backward"], peaks["update"]) / 1e9 if device == "cuda" else None,
                 peak_forward_backward_gb=peaks["forward_backward"] / 1e9 if device == "cuda" else None,
@@ -339,6 +357,7 @@ def bench_methods(
                     )
                 row.update(
                     num_blocks=engine.num_blocks,
+                    resident_at=engine.ring.resident_at,  # where the resident blocks sit (engine/slots.py)
                     block_mb=engine.store.max_block_bytes / 1e6,
                     host_store_gb=engine.store.total_bytes / 1e9,
                     pinned=engine.store.pinned,

@@ -1,18 +1,30 @@
 """A ring of device slots that blocks are copied into, with prefetch on a side stream.
 
 Invariants:
-- Block ``i`` always lives in the same slot: its own slot when it is one of the first
-  ``resident`` blocks (loaded once, never evicted), else ring slot ``(i - resident) % num_slots``: the autograd graph of its forward holds plain
+- Block ``i`` always lives in the same slot: its own slot when it is one of the ``resident`` blocks
+  (loaded once, never evicted; spread over the model, Note: [resident blocks]), else ring slot
+  ``rank % num_slots``, ``rank`` counting the streamed blocks before it: the autograd graph of its forward holds plain
   references into that slot (bitsandbytes keeps the packed weight and quant state as ``ctx``
   attributes, not saved tensors), so the backward must find block ``i``'s bytes at the same addresses.
 - A copy into a slot is ordered after every kernel already enqueued on the compute stream (so the
   slot's previous block is no longer read), and compute on a block waits for its copy.
 - ``prefetch <= num_slots - 1``: a prefetch never targets the slot of the block being computed.
+  While a resident block computes, no ring slot is read, and the ring fills up to ``prefetch + 1`` blocks.
 
 Note: [the turn]
     The slots remember which block they hold. At the turn from forward to backward the last
     ``num_slots`` blocks are still in place and :meth:`SlotRing.ensure` finds them without copying;
     the same holds from one step's backward (ending at block 0) to the next step's forward.
+
+Note: [resident blocks]
+    A resident block saves two copies per step. Where it sits decides whether its compute time is also
+    copy time: the first blocks (one after the other, at the step's start) run while the ring already
+    holds the next streamed blocks, so the copy stream idles through them and the streamed blocks after
+    them wait on their copies as if nothing were resident. Spread evenly (the middle of ``resident``
+    equal stretches of the model), each resident block's compute lets the copy stream fill the ring
+    slot the previous streamed block left: the step's copies run behind all of its compute. On the H200
+    at 72B, where the copies bound the step, the forward took 0.72 s with no block resident, 0.62 s with
+    the first 22 of 80 resident and 0.48 s with 22 spread (docs/benchmarks.md, "72B: where the time goes").
 
 Note: [synchronous mode]
     Without CUDA streams (CPU, or ``use_streams=False``) the same logic runs with blocking copies, so
@@ -21,12 +33,14 @@ Note: [synchronous mode]
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from poros_lightning.engine.store import HostStore
 from poros_lightning.errors import PorosOOMError
 
-__all__ = ["SlotRing", "rebind"]
+__all__ = ["SlotRing", "rebind", "resident_positions"]
 
 
 class SlotRing:
@@ -38,7 +52,8 @@ class SlotRing:
         num_slots: ring size (>= 2, or 1 when there is a single block).
         prefetch: how many blocks ahead to start copying (<= ``num_slots - 1``).
         use_streams: copy on a side CUDA stream (only on CUDA devices).
-        resident: the first ``resident`` blocks get a slot of their own and are copied only once.
+        resident: this many blocks, spread over the model (:func:`resident_positions`), get a slot of their
+            own and are copied only once.
     """
 
     def __init__(
@@ -54,6 +69,15 @@ class SlotRing:
         self.device = device
         self.num_blocks = len(store)
         self.resident = min(resident, self.num_blocks)
+        self.resident_at = resident_positions(self.num_blocks, self.resident)
+        own = set(self.resident_at)
+        self.streamed = [b for b in range(self.num_blocks) if b not in own]  # in order
+        self._slot = [0] * self.num_blocks
+        for slot, block in enumerate(self.resident_at):
+            self._slot[block] = slot
+        for rank, block in enumerate(self.streamed):
+            self._slot[block] = self.resident + rank % max(num_slots, 1)
+        self._rank = {block: rank for rank, block in enumerate(self.streamed)}
         self.num_slots = num_slots
         self.prefetch = prefetch
         self.use_streams = use_streams and device.type == "cuda"
@@ -78,9 +102,7 @@ class SlotRing:
             self.waited = [True] * total
 
     def slot_of(self, block: int) -> int:
-        if block < self.resident:
-            return block
-        return self.resident + (block - self.resident) % self.num_slots
+        return self._slot[block]
 
     def bind(self, block: int) -> None:
         """Point every streamed tensor of ``block`` at its view inside the block's slot."""
@@ -133,11 +155,19 @@ class SlotRing:
         if self.use_streams and not self.waited[slot]:
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
             self.waited[slot] = True
-        step = -1 if backward else 1
-        for k in range(1, self.prefetch + 1):
-            nxt = block + step * k
-            if 0 <= nxt < self.num_blocks and self.holds[self.slot_of(nxt)] != nxt:
-                self._load(nxt, backward)
+        # The next streamed blocks in the direction of travel (resident ones need no copy).
+        rank = self._rank.get(block)
+        if rank is None:  # a resident block computes: every ring slot is free to fill
+            ahead = min(self.prefetch + 1, self.num_slots)
+            rank = bisect.bisect_left(self.streamed, block) - (1 if not backward else 0)
+        else:
+            ahead = self.prefetch
+        for k in range(1, ahead + 1):
+            nxt_rank = rank - k if backward else rank + k
+            if 0 <= nxt_rank < len(self.streamed):
+                nxt = self.streamed[nxt_rank]
+                if self.holds[self.slot_of(nxt)] != nxt:
+                    self._load(nxt, backward)
 
     def time_copies(self, enable: bool = True) -> None:
         """Start (or stop) timing every copy with CUDA events on the copy stream; see :meth:`copy_stats`."""
@@ -161,6 +191,12 @@ class SlotRing:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.slots = []
         self.holds = [-1] * len(self.holds)
+
+
+def resident_positions(num_blocks: int, resident: int) -> list[int]:
+    """The blocks that stay resident: the middle of ``resident`` equal stretches (Note: [resident blocks])."""
+    resident = min(max(resident, 0), num_blocks)
+    return [(2 * k + 1) * num_blocks // (2 * resident) for k in range(resident)]
 
 
 def rebind(owner: object, attr: str, tensor: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from poros_lightning.errors import PorosConfigError
 
 __all__ = ["main", "load_parity_config"]
 
-MODES = ("plain", "dropout", "accum", "block_major", "compile", "min_memory", "keep_activations")
+MODES = ("plain", "dropout", "accum", "block_major", "compile", "min_memory", "keep_activations", "resident_blocks")
 _KEYS = {
     "model",
     "model_config",

@@ -241,7 +241,9 @@ def run_parity(
     :mod:`poros_lightning.compiling`), ``"min_memory"`` (LoRA dropout 0.1; the streamed arm keeps the
     input embeddings, the LM head's weight, the layers' saved inputs and the optimizer moments in host memory;
     :data:`MIN_MEMORY`), ``"keep_activations"`` (LoRA
-    dropout 0.1; the streamed arm's layers keep their activations instead of recomputing them). ``blockwise``:
+    dropout 0.1; the streamed arm's layers keep their activations instead of recomputing them),
+    ``"resident_blocks"`` (LoRA dropout 0.1; a quarter of the streamed arm's blocks stay on the device, spread
+    between streamed ones, Note: [resident blocks] in :mod:`poros_lightning.engine.slots`). ``blockwise``:
     see :func:`~poros_lightning.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.strategy import PorosStrategy
@@ -249,7 +251,7 @@ def run_parity(
     dropout = (
         lora_dropout
         if lora_dropout is not None
-        else (0.1 if mode in ("dropout", "accum", "min_memory", "keep_activations") else 0.0)
+        else (0.1 if mode in ("dropout", "accum", "min_memory", "keep_activations", "resident_blocks") else 0.0)
     )
     accum = accumulate if accumulate is not None else (2 if mode == "accum" else 3 if mode == "block_major" else 1)
     cuda = torch.cuda.is_available()
@@ -292,6 +294,7 @@ def run_parity(
             micro_batches=accum if block_major else 1,
             **(MIN_MEMORY if mode == "min_memory" else {}),
             **({"keep_activations": _num_layers(config)} if mode == "keep_activations" else {}),
+            **({"resident_blocks": -(-_num_layers(config) // block_size) // 4} if mode == "resident_blocks" else {}),
         ),
         build,
         streamed_data,
