@@ -528,14 +528,20 @@ def plan_engine(
                 else f"within a layer's forward (about {LAYER_FORWARD_S * 1e3:.0f} ms): kept activations first"
             )
         )
-    if link_bound and keep_activations and plan.per_block_bytes and spare > 0:
-        resident = max(int(min(plan.num_blocks - 2, spare // plan.per_block_bytes)), 0)
-        spare -= resident * plan.per_block_bytes
-        if resident:
+
+    def resident_fitting() -> int:
+        """Blocks that ``spare`` keeps resident (every block but the ring's two at most); logs them."""
+        n = max(int(min(plan.num_blocks - 2, spare // plan.per_block_bytes)), 0) if plan.per_block_bytes else 0
+        if n:
             why.append(
-                f"{resident} of {plan.num_blocks} blocks stay resident, spread over the model (copied once): "
-                f"{format_bytes(need() + resident * plan.per_block_bytes)}"
+                f"{n} of {plan.num_blocks} blocks stay resident, spread over the model (copied once): "
+                f"{format_bytes(need() + n * plan.per_block_bytes)}"
             )
+        return n
+
+    if link_bound and keep_activations and spare > 0:
+        resident = resident_fitting()
+        spare -= resident * plan.per_block_bytes
     if keep_activations and plan.activation_layer_bytes and spare > 0:
         kept = min(plan.num_layers, spare // plan.activation_layer_bytes)
         spare -= kept * plan.activation_layer_bytes
@@ -546,14 +552,8 @@ def plan_engine(
                 f"the last {kept} of {plan.num_layers} layers keep their activations (no recompute, "
                 f"{format_bytes(plan.activation_layer_bytes)} each): {format_bytes(total + resident * plan.per_block_bytes)}"
             )
-    if not resident:
-        resident = min(plan.num_blocks - 2, spare // plan.per_block_bytes) if plan.per_block_bytes and spare > 0 else 0
-        resident = max(int(resident), 0)
-        if resident:
-            why.append(
-                f"{resident} of {plan.num_blocks} blocks stay resident, spread over the model (copied once): "
-                f"{format_bytes(total + resident * plan.per_block_bytes)}"
-            )
+    if not resident and spare > 0:
+        resident = resident_fitting()
     total += resident * plan.per_block_bytes
     why.append(f"budget {format_bytes(budget)}, estimated peak {format_bytes(total)}")
     return EnginePlan(

@@ -35,8 +35,8 @@ class EngineOptions:
         keep_activations: the last ``keep_activations`` decoder layers keep their activations from the
             forward to the backward instead of recomputing them (exact; one forward fewer per layer and
             step, for the memory of their activations). A number >= the layer count keeps them all.
-        resident_blocks: this many blocks, spread over the model, get a device slot of their own and are copied once (fewer
-            copies per step when memory allows; the first block then never waits at a step's start).
+        resident_blocks: this many blocks, spread over the model, get a device slot of their own and are
+            copied once (fewer copies per step when memory allows; Note: [resident blocks] in slots.py).
         inputs_on_host: the input each recomputing layer saves for its recompute (its hidden state) waits
             in pinned host memory between the forward and the backward (exact; two copies of it per step,
             on side streams; see engine/offload.py).
