@@ -21,10 +21,13 @@ __all__ = [
     "MicroBatchSampler",
     "PorosConfigError",
     "PorosDDPStrategy",
+    "PorosCheckpoint",
     "PorosError",
     "PorosOOMError",
     "PorosPrecision",
     "PorosStrategy",
+    "SaveAdapter",
+    "SystemMetrics",
     "UnsupportedArchitectureError",
     "__version__",
     "prepare",
@@ -50,12 +53,15 @@ def _light_import() -> bool:
 _LAZY = {
     "prepare": "poros_lightning.api",
     "unprepare": "poros_lightning.api",
-    "PorosStrategy": "poros_lightning.strategy",
-    "PorosDDPStrategy": "poros_lightning.strategy_ddp",
-    "MicroBatchSampler": "poros_lightning.strategy_ddp",
-    "PorosPrecision": "poros_lightning.precision",
-    "LoRALightningModule": "poros_lightning.module",
-    "InstructionDataModule": "poros_lightning.data",
+    "PorosStrategy": "poros_lightning.lightning.strategy",
+    "PorosDDPStrategy": "poros_lightning.lightning.ddp",
+    "MicroBatchSampler": "poros_lightning.lightning.ddp",
+    "PorosPrecision": "poros_lightning.lightning.precision",
+    "LoRALightningModule": "poros_lightning.training.module",
+    "InstructionDataModule": "poros_lightning.training.data",
+    "PorosCheckpoint": "poros_lightning.lightning.checkpoint",
+    "SaveAdapter": "poros_lightning.lightning.callbacks",
+    "SystemMetrics": "poros_lightning.lightning.callbacks",
 }
 
 
@@ -70,8 +76,8 @@ def __getattr__(name: str) -> object:
 def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from poros_lightning.strategy import PorosStrategy
-    from poros_lightning.strategy_ddp import PorosDDPStrategy
+    from poros_lightning.lightning.ddp import PorosDDPStrategy
+    from poros_lightning.lightning.strategy import PorosStrategy
 
     PorosStrategy.register_strategies(StrategyRegistry)
     PorosDDPStrategy.register_strategies(StrategyRegistry)

@@ -63,7 +63,7 @@ def _resume_value(value: str | None, subcommand: str | None, ckpt_path: str | No
     path = Path(value)
     if not value.strip() or not path.is_dir():
         raise PorosConfigError(f"--resume {value!r} is neither 'auto' nor an existing directory.", _RESUME_HINT)
-    from poros_lightning.checkpoint import resume_source
+    from poros_lightning.lightning.checkpoint import resume_source
 
     resume_source(path, path)  # fails now, before the model is built, when DIR holds no checkpoint
     return path
@@ -77,11 +77,11 @@ def _make_cli_class() -> type:
     class _PorosCLI(LightningCLI):
         """LightningCLI with poros-lightning defaults.
 
-        ``model`` defaults to :class:`~poros_lightning.module.LoRALightningModule` and ``data`` to
-        :class:`~poros_lightning.data.InstructionDataModule`; both accept ``class_path`` for your own classes.
+        ``model`` defaults to :class:`~poros_lightning.training.module.LoRALightningModule` and ``data`` to
+        :class:`~poros_lightning.training.data.InstructionDataModule`; both accept ``class_path`` for your own classes.
         The optimizer is the module's own (AdamW on the adapter only), so ``--optimizer`` is not offered.
         ``--save_adapter DIR`` writes the PEFT adapter directory when ``fit`` finishes. ``fit --resume auto``
-        resumes from the newest checkpoint in the :class:`~poros_lightning.checkpoint.PorosCheckpoint` dirpath if
+        resumes from the newest checkpoint in the :class:`~poros_lightning.lightning.checkpoint.PorosCheckpoint` dirpath if
         there is one, else starts fresh; ``fit --resume DIR`` resumes from the newest checkpoint under ``DIR`` (it
         must hold one). A ``PorosCheckpoint`` in the config keeps writing to its own dirpath; without one,
         ``--resume`` adds one writing to ``DIR`` (or ``checkpoints`` for ``auto``).
@@ -109,8 +109,8 @@ def _make_cli_class() -> type:
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults(
                 {
-                    "model": {"class_path": "poros_lightning.module.LoRALightningModule"},
-                    "data": {"class_path": "poros_lightning.data.InstructionDataModule"},
+                    "model": {"class_path": "poros_lightning.training.module.LoRALightningModule"},
+                    "data": {"class_path": "poros_lightning.training.data.InstructionDataModule"},
                 }
             )
             parser.add_argument(
@@ -138,7 +138,7 @@ def _make_cli_class() -> type:
         def before_fit(self) -> None:
             adapter_dir = self.config[self.subcommand].get("save_adapter")
             if adapter_dir:
-                from poros_lightning.callbacks import SaveAdapter
+                from poros_lightning.lightning.callbacks import SaveAdapter
 
                 self.trainer.callbacks.append(SaveAdapter(adapter_dir))
             if self._resume is not None:
@@ -146,7 +146,7 @@ def _make_cli_class() -> type:
 
         def _install_resume(self, resume: bool | Path) -> None:
             """Point the config's PorosCheckpoint at ``resume``, or add one that resumes and keeps writing."""
-            from poros_lightning.checkpoint import PorosCheckpoint
+            from poros_lightning.lightning.checkpoint import PorosCheckpoint
 
             found = [c for c in self.trainer.callbacks if isinstance(c, PorosCheckpoint)]
             if len(found) > 1:
@@ -222,8 +222,8 @@ class DemoResult:
 
 def _held_out_records(datamodule: Any, n: int) -> list[dict[str, Any]]:
     """Records from the datamodule's ``val_path``, else from the bundled validation split."""
-    from poros_lightning.assets import tiny_instruct_path
-    from poros_lightning.data import read_records
+    from poros_lightning.training.assets import tiny_instruct_path
+    from poros_lightning.training.data import read_records
 
     path = getattr(datamodule, "val_path", None) or tiny_instruct_path("validation")
     records = [r for _, r in read_records(path)]
@@ -262,8 +262,8 @@ def generate_answers(
     """Answer each record's prompt (formatted exactly as in training) greedily with ``module.model``."""
     import torch
 
-    from poros_lightning.callbacks import find_peft_model
-    from poros_lightning.data import format_prompt
+    from poros_lightning.lightning.callbacks import find_peft_model
+    from poros_lightning.training.data import format_prompt
 
     model = find_peft_model(module)
     device = next(p.device for p in model.parameters() if p.requires_grad)

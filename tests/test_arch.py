@@ -120,7 +120,7 @@ def _build(cfg: dict, device: str = "meta"):
 
 def test_arch_imports_without_torch():
     code = (
-        "import sys; import poros_lightning.arch, poros_lightning.planner; "
+        "import sys; import poros_lightning.arch, poros_lightning.memory.planner; "
         "assert 'torch' not in sys.modules, 'torch'; assert 'transformers' not in sys.modules, 'transformers'"
     )
     env = dict(os.environ, POROS_LIGHTNING_LIGHT="1")

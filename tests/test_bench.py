@@ -9,8 +9,8 @@ import pytest
 import yaml
 from conftest import tiny_config
 
-from poros_lightning.bench.cli import load_bench_config, main
 from poros_lightning.errors import PorosConfigError
+from poros_lightning.tools.bench.cli import load_bench_config, main
 
 
 def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_report_ratio_table_averages_rounds_within_a_run(tmp_path: Path, capsys:
 
 def test_rows_are_written_as_each_run_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that fails after the first one leaves the first one's row in the JSONL."""
-    from poros_lightning.bench import harness
+    from poros_lightning.tools.bench import harness
 
     path = _one_step_config(tmp_path, runs=[{"method": "resident"}, {"method": "poros"}])
     calls = []
@@ -142,7 +142,7 @@ def _event(cat: str, name: str, ts: float, dur: float, stream: int, nbytes: int 
 
 
 def test_timeline_splits_idle_time_into_link_and_host_waits() -> None:
-    from poros_lightning.bench.timeline import MARKER, summarize_trace
+    from poros_lightning.tools.bench.timeline import MARKER, summarize_trace
 
     h2d, d2h = "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"
     trace = {
@@ -194,7 +194,7 @@ def test_report_prints_the_profile_of_profiled_rows(tmp_path: Path, capsys: pyte
 def test_launch_probe_needs_cuda() -> None:
     import torch
 
-    from poros_lightning.bench.launch_probe import probe
+    from poros_lightning.tools.bench.launch_probe import probe
 
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")

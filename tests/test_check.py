@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from poros_lightning.arch import registered
-from poros_lightning.check import check, format_check, load_config, main
 from poros_lightning.errors import PorosConfigError
+from poros_lightning.tools.check import check, format_check, load_config, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def test_check_does_not_import_torch(tmp_path):
     folder = _write(tmp_path, FAMILY_CONFIGS["gemma3"])
     code = (
         "import sys\n"
-        "from poros_lightning.check import main\n"
+        "from poros_lightning.tools.check import main\n"
         f"assert main([{str(folder)!r}, '--vram-budget', '8GB']) == 0\n"
         "assert main(['Qwen/Qwen2.5-7B', '--json']) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -86,7 +86,7 @@ def test_bad_value_fails_at_construction(tmp_path: Path, capsys: pytest.CaptureF
 
 def _checkpoint_callbacks(config: dict, *dirpaths: str) -> None:
     config["trainer"]["callbacks"] = [
-        {"class_path": "poros_lightning.checkpoint.PorosCheckpoint", "init_args": {"dirpath": d}} for d in dirpaths
+        {"class_path": "poros_lightning.PorosCheckpoint", "init_args": {"dirpath": d}} for d in dirpaths
     ]
 
 
@@ -120,7 +120,7 @@ def test_tools_dispatch_and_missing_tools_are_named(monkeypatch, capsys: pytest.
     with pytest.raises(SystemExit) as exit_info:
         main(["check", "--help"])
     assert exit_info.value.code == 0 and "poros-lightning check" in capsys.readouterr().out
-    monkeypatch.setitem(sys.modules, "poros_lightning.export", None)  # as if the module were not shipped
+    monkeypatch.setitem(sys.modules, "poros_lightning.tools.export", None)  # as if the module were not shipped
     assert main(["export"]) == 1
     assert "'poros-lightning export' is not available in this build" in capsys.readouterr().err
 

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from poros_lightning.assets import TINY_INSTRUCT_DIR, make_tiny_instruct, tiny_instruct_path
-from poros_lightning.data import (
+from poros_lightning.errors import DataError, PorosConfigError
+from poros_lightning.training.assets import TINY_INSTRUCT_DIR, make_tiny_instruct, tiny_instruct_path
+from poros_lightning.training.data import (
     IGNORE_INDEX,
     InstructionDataModule,
     collate,
@@ -24,8 +25,7 @@ from poros_lightning.data import (
     read_records,
     tokenize_records,
 )
-from poros_lightning.errors import DataError, PorosConfigError
-from poros_lightning.tokenizers import load_tokenizer
+from poros_lightning.training.tokenizers import load_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -330,7 +330,7 @@ def test_cli_can_build_it_from_arguments() -> None:
 def test_datasets_and_pyarrow_are_imported_lazily_in_one_place() -> None:
     import ast
 
-    import poros_lightning.data as data
+    import poros_lightning.training.data as data
 
     tree = ast.parse(Path(data.__file__).read_text(encoding="utf-8"))
     top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]

@@ -37,9 +37,9 @@ from torch.utils.data import DataLoader
 
 import poros_lightning  # noqa: F401  (registers "poros")
 from poros_lightning.api import engine_of
-from poros_lightning.parity.runner import ParityModule, Recorder, compare, token_batches, versions
-from poros_lightning.strategy import PorosStrategy
-from poros_lightning.strategy_ddp import MicroBatchSampler, PorosDDPStrategy
+from poros_lightning.lightning.ddp import MicroBatchSampler, PorosDDPStrategy
+from poros_lightning.lightning.strategy import PorosStrategy
+from poros_lightning.tools.parity.runner import ParityModule, Recorder, compare, token_batches, versions
 
 CFG = tiny_config(hidden_size=256, intermediate_size=512)  # 4 layers: a host store of 1.2 MB
 WORLD = 2
@@ -312,7 +312,7 @@ ONE_GPU = os.environ.get("POROS_DDP_ONE_GPU") == "1"  # the smoke layout: 2 "nod
 
 def _gpu_fit(world: int, out: Path) -> None:
     from poros_lightning.arch.known import known_config
-    from poros_lightning.parity.build import build_peft_model as build_gpu
+    from poros_lightning.tools.parity.build import build_peft_model as build_gpu
 
     torch.use_deterministic_algorithms(True)
     config = known_config(GPU_MODEL)

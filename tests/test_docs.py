@@ -1,7 +1,7 @@
 """The README and docs/ hold no dead relative links, and every number in the README's tables comes from an artifact.
 
 README table numbers are renderings of JSONL fields under ``docs/benchmarks/`` and ``docs/validation/`` by
-``poros_lightning.bench.report`` (``_fmt``: 3 decimals below 10, 1 from 10, ints as is), so a number is accepted
+``poros_lightning.tools.bench.report`` (``_fmt``: 3 decimals below 10, 1 from 10, ints as is), so a number is accepted
 when some artifact value renders to exactly that text.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from poros_lightning.bench.report import _fmt, load_rows, ratio_table
+from poros_lightning.tools.bench.report import _fmt, load_rows, ratio_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

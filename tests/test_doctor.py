@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from poros_lightning import doctor as doctor_module
-from poros_lightning.doctor import doctor, format_doctor, main
+from poros_lightning.tools import doctor as doctor_module
+from poros_lightning.tools.doctor import doctor, format_doctor, main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")

@@ -434,7 +434,7 @@ def test_a_deep_copied_store_leaves_the_original_registered(pinning: tuple[list[
 def test_kept_activations_are_not_planned_for_shared_kv_models() -> None:
     from test_arch import SHAPE_VARIANTS
 
-    from poros_lightning.planner import plan_engine
+    from poros_lightning.memory.planner import plan_engine
 
     cfg = dict(SHAPE_VARIANTS["gemma4_text_kv_shared"])
     assert plan_engine(cfg, "8GB", seq_len=16, lora_r=4).keep_activations == 0
@@ -443,7 +443,7 @@ def test_kept_activations_are_not_planned_for_shared_kv_models() -> None:
 
 def test_kept_activations_with_compiled_layers() -> None:
     """Each layer under torch.compile, every layer keeping its activations: equal to the compiled resident run."""
-    from poros_lightning.compiling import compile_layers
+    from poros_lightning.training.compiling import compile_layers
 
     def compiled() -> torch.nn.Module:
         model = build_peft_model(lora_dropout=0.0)

@@ -13,8 +13,6 @@ from conftest import tiny_config
 
 from poros_lightning import quant
 from poros_lightning.arch import get_arch
-from poros_lightning.checkpoint import PorosCheckpoint
-from poros_lightning.data import read_records
 from poros_lightning.engine import store
 from poros_lightning.errors import (
     DataError,
@@ -24,9 +22,11 @@ from poros_lightning.errors import (
     PorosOOMError,
     UnsupportedArchitectureError,
 )
-from poros_lightning.module import LoRALightningModule
-from poros_lightning.planner import plan_engine
-from poros_lightning.strategy import PorosStrategy, nondeterminism
+from poros_lightning.lightning.checkpoint import PorosCheckpoint
+from poros_lightning.lightning.strategy import PorosStrategy, nondeterminism
+from poros_lightning.memory.planner import plan_engine
+from poros_lightning.training.data import read_records
+from poros_lightning.training.module import LoRALightningModule
 
 
 def hint(err: pytest.ExceptionInfo) -> str:

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import ALL_LINEAR, build_peft_model, tiny_config, train_loop
 
-from poros_lightning.adapter import TRAINING_INFO, TrainingInfo, read_lora, save_adapter
 from poros_lightning.errors import PorosConfigError
-from poros_lightning.export import export, main, parse_size
 from poros_lightning.quant import bnb, is_4bit_linear
+from poros_lightning.tools.export import export, main, parse_size
+from poros_lightning.training.adapter import TRAINING_INFO, TrainingInfo, read_lora, save_adapter
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(9))
 
@@ -262,7 +262,7 @@ def test_cli(setup: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_chunked_copies_are_exact(setup: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors that are only copied or cast move in bounded chunks; chunk boundaries change no byte."""
-    import poros_lightning.export as export_module
+    import poros_lightning.tools.export as export_module
 
     monkeypatch.setattr(export_module, "_CHUNK", 998)  # not a multiple of a row: chunks straddle rows
     out = export(setup["adapter"], setup["base"], tmp_path / "out", dtype="fp32", progress=False)
@@ -293,7 +293,7 @@ def test_base_from_the_streamed_loader(setup: dict, tmp_path: Path) -> None:
 
 
 def test_failed_export_leaves_nothing(setup: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import poros_lightning.export as export_module
+    import poros_lightning.tools.export as export_module
 
     def broken(*args: object) -> None:
         raise OSError("disk full")

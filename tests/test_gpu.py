@@ -26,7 +26,7 @@ def _artifacts(tmp_path: Path, kind: str, name: str) -> Path:
 
 def test_parity_1b_dropout(tmp_path: Path) -> None:
     """Four surfaces torch.equal on a >= 1B random-init Qwen2.5 with LoRA dropout, more blocks than slots."""
-    from poros_lightning.parity.runner import run_parity
+    from poros_lightning.tools.parity.runner import run_parity
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     config = known_config("Qwen/Qwen2.5-1.5B")
@@ -45,7 +45,7 @@ def test_parity_1b_dropout(tmp_path: Path) -> None:
 
 def test_bench_7b_resident_vs_streamed(tmp_path: Path) -> None:
     """Peak VRAM and s/step at Qwen2.5-7B scale, seq 512, LoRA r16, batch 1, every method on one build."""
-    from poros_lightning.bench.harness import bench_methods, measure_h2d, write_jsonl
+    from poros_lightning.tools.bench.harness import bench_methods, measure_h2d, write_jsonl
 
     config = known_config("Qwen/Qwen2.5-7B")
     h2d = measure_h2d()
@@ -72,8 +72,8 @@ def test_bench_7b_resident_vs_streamed(tmp_path: Path) -> None:
 
 def test_min_memory_7b_parity_and_peak(tmp_path: Path) -> None:
     """Embeddings, LM head and optimizer moments in host memory: exact, and the peak drops by about the head."""
-    from poros_lightning.bench.harness import bench_methods
-    from poros_lightning.parity.runner import run_parity
+    from poros_lightning.tools.bench.harness import bench_methods
+    from poros_lightning.tools.parity.runner import run_parity
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     config = known_config("Qwen/Qwen2.5-7B")  # untied: the head can leave the device
@@ -116,7 +116,7 @@ def _slow_copies(monkeypatch: pytest.MonkeyPatch, cycles: int = 20_000_000) -> N
 def _qv_grads(keep: int | None, steps: int = 3, resident: int = 0) -> list[list[torch.Tensor]]:
     """Per-step LoRA grads of a small Qwen2 with LoRA on q/v only (``keep=None``: resident)."""
     from poros_lightning import prepare
-    from poros_lightning.parity.build import build_peft_model
+    from poros_lightning.tools.parity.build import build_peft_model
 
     cfg = dict(
         model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
@@ -170,8 +170,8 @@ def test_slow_copies_negative_control(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_keep_activations_7b_parity_and_speed(tmp_path: Path) -> None:
     """Every layer keeps its activations (no recompute): exact with dropout, faster, more memory."""
-    from poros_lightning.bench.harness import bench_methods
-    from poros_lightning.parity.runner import run_parity
+    from poros_lightning.tools.bench.harness import bench_methods
+    from poros_lightning.tools.parity.runner import run_parity
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     config = known_config("Qwen/Qwen2.5-7B")
@@ -206,7 +206,7 @@ def test_a_dropped_prepared_model_leaves_no_registration_behind() -> None:
 
 def _slow_state_copies(monkeypatch: pytest.MonkeyPatch, cycles: int = 50_000_000) -> None:
     """Delay the optimizer state's copies in and out on their side streams (``torch.cuda._sleep``)."""
-    from poros_lightning.optim_state import HostOptimizerState
+    from poros_lightning.engine.optim_state import HostOptimizerState
 
     prefetch, to_host = HostOptimizerState.prefetch, HostOptimizerState.to_host
 
@@ -226,7 +226,7 @@ def _slow_state_copies(monkeypatch: pytest.MonkeyPatch, cycles: int = 50_000_000
 
 def _adamw_run(on_host: bool, fault: str | None = None, steps: int = 4) -> tuple[list[torch.Tensor], int]:
     """Params and moments after ``steps`` AdamW steps of a stack of linears, resident or with the state on host."""
-    from poros_lightning.optim_state import HostOptimizerState
+    from poros_lightning.engine.optim_state import HostOptimizerState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
@@ -261,7 +261,7 @@ def test_optimizer_state_copies_are_ordered_under_slow_streams(monkeypatch: pyte
     got, prefetches = _adamw_run(True)
     assert prefetches == 3  # every step's backward but the first (no state yet) started the copy in
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-    from poros_lightning import optim_state
+    from poros_lightning.engine import optim_state
 
     # The control: memory the update reads before its copy in has landed holds NaN, not an older copy.
     monkeypatch.setattr(optim_state, "_empty_on", lambda v, d: torch.full_like(v, float("nan"), device=d))
@@ -271,7 +271,7 @@ def test_optimizer_state_copies_are_ordered_under_slow_streams(monkeypatch: pyte
 
 def test_profiled_step_accounts_for_every_phase() -> None:
     """The profiled step's phases split into busy and idle time that add up, and the streamed forward copies."""
-    from poros_lightning.bench.harness import bench_methods
+    from poros_lightning.tools.bench.harness import bench_methods
 
     config = known_config("Qwen/Qwen2.5-1.5B")
     runs = [{"method": "resident_gc"}, {"method": "poros"}]
@@ -288,7 +288,7 @@ def test_profiled_step_accounts_for_every_phase() -> None:
 
 def test_launch_probe_finds_a_bounded_queue() -> None:
     """The host can queue only so many launches ahead of a busy GPU (docs/benchmarks.md, "72B: where the time goes")."""
-    from poros_lightning.bench.launch_probe import probe
+    from poros_lightning.tools.bench.launch_probe import probe
 
     row = probe(max_kernels=20000, sleep_s=2.0)
     assert row["queue_depth_kernels"] is not None and 100 < row["queue_depth_kernels"] < 20000

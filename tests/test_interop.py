@@ -15,8 +15,8 @@ import torch
 from conftest import build_peft_model, differences, tiny_config, train_loop
 
 from poros_lightning import prepare, unprepare
-from poros_lightning.adapter import TrainingInfo, save_adapter
 from poros_lightning.api import engine_of, is_prepared
+from poros_lightning.training.adapter import TrainingInfo, save_adapter
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(9))
 

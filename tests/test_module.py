@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from poros_lightning.callbacks import SaveAdapter, SystemMetrics, find_peft_model
 from poros_lightning.errors import NonFiniteLossError, PorosConfigError, PorosError, ResumeMismatchError
-from poros_lightning.module import LoRALightningModule, causal_lm_loss
+from poros_lightning.lightning.callbacks import SaveAdapter, SystemMetrics, find_peft_model
 from poros_lightning.quant import is_4bit_linear
+from poros_lightning.training.module import LoRALightningModule, causal_lm_loss
 
 VOCAB = 512
 TINY_QWEN2 = {

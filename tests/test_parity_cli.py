@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from poros_lightning.errors import PorosConfigError
-from poros_lightning.parity.cli import load_parity_config, main
+from poros_lightning.tools.parity.cli import load_parity_config, main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "parity" / "tiny-cpu.yaml"
@@ -58,7 +58,7 @@ def test_min_memory_mode_is_gated_with_its_options_in_effect(tmp_path: Path, mon
     """Embeddings, LM head, layer inputs and optimizer moments in host memory: all four surfaces equal (with dropout)."""
     from poros_lightning.engine.head import HostHead
     from poros_lightning.engine.offload import InputOffload
-    from poros_lightning.optim_state import HostOptimizerState
+    from poros_lightning.engine.optim_state import HostOptimizerState
 
     calls = {"head": 0, "optimizer": 0, "inputs": 0}
     fetch, to_host, pack = HostHead._fetch, HostOptimizerState.to_host, InputOffload.pack

@@ -8,7 +8,7 @@ import pytest
 
 from poros_lightning.arch import known_config
 from poros_lightning.errors import PorosConfigError, PorosOOMError
-from poros_lightning.planner import format_bytes, parse_bytes, plan_memory, quantized_weight_bytes
+from poros_lightning.memory.planner import format_bytes, parse_bytes, plan_memory, quantized_weight_bytes
 
 # Qwen2.5-7B shapes: hidden 3584, intermediate 18944, 28 layers, 28 query heads / 4 KV heads of dim 128.
 QWEN25_7B = dict(
@@ -177,7 +177,7 @@ def test_format_bytes():
 def test_plan_engine_fills_the_budget_and_names_the_minimum():
     from poros_lightning.arch.known import known_config
     from poros_lightning.errors import PorosOOMError
-    from poros_lightning.planner import plan_engine
+    from poros_lightning.memory.planner import plan_engine
 
     cfg = known_config("Qwen/Qwen2.5-7B")
     # At 55 GB/s a 7B block (120 MB) copies within a layer's forward: spare memory keeps activations first
@@ -197,7 +197,7 @@ def test_plan_engine_fills_the_budget_and_names_the_minimum():
 def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
     """Note: [link-bound layers]: a block that copies slower than a layer's forward makes resident blocks pay."""
     from poros_lightning.arch.known import known_config
-    from poros_lightning.planner import DEFAULT_LINK_GBPS, LAYER_FORWARD_S, plan_engine, plan_memory
+    from poros_lightning.memory.planner import DEFAULT_LINK_GBPS, LAYER_FORWARD_S, plan_engine, plan_memory
 
     cfg = known_config("Qwen/Qwen2.5-72B")
     block = plan_memory(cfg, seq_len=512).per_block_bytes
@@ -217,7 +217,7 @@ def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
 
 def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     from poros_lightning.arch.known import known_config
-    from poros_lightning.planner import plan_engine
+    from poros_lightning.memory.planner import plan_engine
 
     cfg = known_config("Qwen/Qwen2.5-72B")
     roomy, medium, tight = plan_engine(cfg, "12GB"), plan_engine(cfg, "8GB"), plan_engine(cfg, "7GB")

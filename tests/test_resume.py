@@ -17,17 +17,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import poros_lightning.checkpoint as ckpt_mod
-from poros_lightning.checkpoint import (
-    ResumableDataLoader,
-    ResumableSampler,
-    check_identity,
-    load_checkpoint,
-    load_latest,
-    write_checkpoint,
-)
+import poros_lightning.lightning.checkpoint as ckpt_mod
 from poros_lightning.cli import main
 from poros_lightning.errors import ResumeMismatchError
+from poros_lightning.lightning.checkpoint import check_identity, load_checkpoint, load_latest, write_checkpoint
+from poros_lightning.training.resumable import ResumableDataLoader, ResumableSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 6  # 3 batches an epoch: a kill after step 2, 3 or 4 resumes mid-epoch, at its end, or past it
@@ -39,7 +33,7 @@ def _config(tmp_path: Path, name: str, *, checkpoint: bool = True, num_workers: 
     config["model"].update(lora_dropout=0.1, warmup_steps=3)  # dropout draws RNG; warmup makes the scheduler matter
     config["data"].update(seq_len=64, batch_size=2, max_records=6, num_workers=num_workers)  # 3 batches an epoch
     callback = {
-        "class_path": "poros_lightning.checkpoint.PorosCheckpoint",
+        "class_path": "poros_lightning.PorosCheckpoint",
         "init_args": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_steps": 1},
     }
     config["trainer"].update(

@@ -207,7 +207,7 @@ def _host_state_step(model: torch.nn.Module, opt: torch.optim.Optimizer, host: o
 
 def test_optimizer_state_copy_in_is_triggered_by_the_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     """An armed backward starts the copy in once, when the trigger parameter's gradient is complete."""
-    from poros_lightning.optim_state import HostOptimizerState
+    from poros_lightning.engine.optim_state import HostOptimizerState
 
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
     params = list(model.parameters())  # layer 0 first: the backward reaches it last
@@ -239,7 +239,7 @@ def test_optimizer_state_on_host_is_checkpointed(reference: Recorder, tmp_path) 
     """The moments wait as views of one flat host buffer; a safetensors checkpoint still writes them."""
     from safetensors.torch import load_file
 
-    from poros_lightning.checkpoint import _optimizer_files, _write_tensors
+    from poros_lightning.lightning.checkpoint import _optimizer_files, _write_tensors
 
     strategy = PorosStrategy(optimizer_on_host=True)
     _assert_equal(reference, _fit(strategy))
@@ -254,7 +254,7 @@ def test_optimizer_state_on_host_is_checkpointed(reference: Recorder, tmp_path) 
 
 def test_optimizer_state_loaded_into_the_optimizer_moves_to_host_again() -> None:
     """load_state_dict replaces the state dicts: the next copy out lays them out anew (none stays behind)."""
-    from poros_lightning.optim_state import HostOptimizerState
+    from poros_lightning.engine.optim_state import HostOptimizerState
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

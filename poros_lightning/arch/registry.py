@@ -444,7 +444,7 @@ def arch_for_model(model: Any, *, allow_unlisted: bool = False) -> ArchSpec:
     if config is None:
         raise UnsupportedArchitectureError(
             f"{type(model).__name__} has no .config; expected a Hugging Face PreTrainedModel or a PeftModel.",
-            hint="load the model with transformers (AutoModelForCausalLM) or poros_lightning.models.",
+            hint="load the model with transformers (AutoModelForCausalLM) or poros_lightning.training.models.",
         )
     spec = arch_for_config(_model_config_dict(config), allow_unlisted=allow_unlisted)
     for path in (spec.layers, spec.embed, spec.norm, spec.head):

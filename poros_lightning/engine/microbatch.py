@@ -42,7 +42,7 @@ from torch import nn
 
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["MicroBatches", "micro_batch_mean", "micro_batch_sizes", "micro_batches_of"]
+__all__ = ["MicroBatches", "dropout_sources", "micro_batch_mean", "micro_batch_sizes", "micro_batches_of"]
 
 _ATTR = "_poros_micro_batches"
 
@@ -244,3 +244,23 @@ class MicroBatches:
                 else:
                     p.grad += g
         self.store.clear()
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_CONFIG_DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
+
+
+def dropout_sources(module: nn.Module) -> list[str]:
+    """What draws random numbers in ``module``'s training forward: dropout modules and config dropouts ``> 0``."""
+    found = [f"{name} (p={sub.p})" for name, sub in module.named_modules() if isinstance(sub, _DROPOUTS) and sub.p > 0]
+    seen: set[int] = set()
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if config is None or isinstance(config, dict) or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for key in _CONFIG_DROPOUTS:
+            value = getattr(config, key, 0)
+            if isinstance(value, float) and value > 0:
+                found.append(f"{name or type(sub).__name__}.config.{key} (p={value})")
+    return found

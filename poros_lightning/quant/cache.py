@@ -56,7 +56,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from poros_lightning.quant.loader import _Skeleton
+    from poros_lightning.quant.skeleton import Skeleton
 
 __all__ = [
     "MANIFEST", "CacheInvalid", "CacheRebuildWarning", "Progress", "TensorSpec", "Verification", "cache_key",
@@ -374,7 +374,7 @@ def _quant_owner(key: str, four_bit: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _restore_4bit(sk: _Skeleton, owner: str, parts: dict[str, torch.Tensor]) -> None:
+def _restore_4bit(sk: Skeleton, owner: str, parts: dict[str, torch.Tensor]) -> None:
     """Rebuild one 4-bit weight from its state-dict entries, as a pre-quantized transformers load does."""
     from poros_lightning.quant import bnb
 
@@ -389,7 +389,7 @@ def _restore_4bit(sk: _Skeleton, owner: str, parts: dict[str, torch.Tensor]) -> 
     sk.loaded.add(owner)
 
 
-def read_entry(sk: _Skeleton, entry: Path, key: str, verify: Verification, progress: Progress) -> int:
+def read_entry(sk: Skeleton, entry: Path, key: str, verify: Verification, progress: Progress) -> int:
     """Fill the skeleton ``sk`` from a cache entry, one decoder layer at a time.
 
     Returns:
@@ -432,7 +432,7 @@ def read_entry(sk: _Skeleton, entry: Path, key: str, verify: Verification, progr
     return read
 
 
-def _entry_tensors(sk: _Skeleton) -> list[tuple[str, torch.Tensor]]:
+def _entry_tensors(sk: Skeleton) -> list[tuple[str, torch.Tensor]]:
     """Every tensor an entry stores, in module order; 4-bit weights in Linear4bit's state-dict layout."""
     out: list[tuple[str, torch.Tensor]] = []
     for name, sites in sk.sites.items():
@@ -447,7 +447,7 @@ def _entry_tensors(sk: _Skeleton) -> list[tuple[str, torch.Tensor]]:
 
 
 def write_entry(
-    sk: _Skeleton,
+    sk: Skeleton,
     config: PretrainedConfig,
     entry: Path,
     key: str,

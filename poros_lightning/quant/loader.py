@@ -32,17 +32,24 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from poros_lightning.errors import PorosConfigError
-from poros_lightning.quant import _MODES, _linear_names, bnb, check_quantization, disable_cpu_repacking
 from poros_lightning.quant import cache as nf4_cache
+from poros_lightning.quant import check_quantization
 from poros_lightning.quant.cache import layer_index
+from poros_lightning.quant.skeleton import (
+    LoadReport,
+    Skeleton,
+    _check_arch,
+    _compute_device,
+    _hf_config,
+    _place,
+    load_report,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -58,230 +65,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_REPORT = "_poros_load_report"
 _INDEX = "model.safetensors.index.json"
-
-
-@dataclass
-class LoadReport:
-    """How a base was loaded (attached to the model; read it with :func:`load_report`)."""
-
-    source: str  # "checkpoint", "cache" or "random"
-    compute_device: str
-    quantization: str
-    quantized_layers: int
-    bytes_read: int
-    seconds: float
-    cache_entry: str | None = None
-    cache_rebuild_reason: str | None = None
-    cache_write_seconds: float | None = None
-
-
-def load_report(model: nn.Module) -> LoadReport | None:
-    """The :class:`LoadReport` of a model returned by this module's loaders, else ``None``."""
-    return getattr(model, _REPORT, None)
-
-
-@contextlib.contextmanager
-def _params_on_meta() -> Iterator[None]:
-    """Register every new parameter on the meta device; buffers are built (and computed) as usual."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        param = module._parameters.get(name)
-        if param is not None and param.device.type != "meta":
-            kwargs = {k: v for k, v in param.__dict__.items() if k != "requires_grad"}
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad, **kwargs)
-
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def _hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
-    from transformers import AutoConfig
-
-    if not isinstance(config, dict):
-        return config
-    cfg = dict(config)
-    model_type = cfg.pop("model_type", None)
-    if not isinstance(model_type, str):
-        raise PorosConfigError(f"A model config needs a 'model_type' string, got {config!r}.", "Example: qwen2.")
-    return AutoConfig.for_model(model_type, **cfg)
-
-
-def _check_arch(config: PretrainedConfig, allow_unlisted: bool) -> None:
-    from poros_lightning.arch import arch_for_config
-
-    arch_for_config(config.to_dict(), allow_unlisted=allow_unlisted)
-
-
-def _compute_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cpu", "cuda"):
-        raise PorosConfigError(f"Cannot quantize on {device}.", "Use compute_device='cuda' or 'cpu'.")
-    return device
-
-
-class _Skeleton:
-    """A meta-device model and where each checkpoint tensor goes (see Note: [tied weights])."""
-
-    def __init__(self, config: PretrainedConfig, quantization: str, dtype: torch.dtype, attn: str | None) -> None:
-        from transformers import AutoModelForCausalLM
-
-        kwargs = {"attn_implementation": attn} if attn else {}
-        with _params_on_meta():
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-        self.dtype = dtype
-        self.quantization = quantization
-        self.linear_weights = {f"{n}.weight" for n in _linear_names(self.model, ("lm_head",))}
-        self.four_bit: dict[str, nn.Module] = {}
-        if quantization != "none":
-            self._to_linear4bit()
-        self.sites: dict[str, list[tuple[nn.Module, str, bool]]] = {}
-        self.alias: dict[str, str] = {}
-        self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        first: dict[int, str] = {}
-        for mod_name, module in self.model.named_modules(remove_duplicate=False):
-            prefix = f"{mod_name}." if mod_name else ""
-            for attr, param in module._parameters.items():
-                if param is not None:
-                    self._site(first, prefix + attr, module, attr, param, True)
-            for attr, buf in module._buffers.items():
-                if buf is not None and attr not in module._non_persistent_buffers_set:
-                    self._site(first, prefix + attr, module, attr, buf, False)
-        self.params = [n for n, sites in self.sites.items() if sites[0][2]]
-        """Canonical names of the parameters, in module order."""
-        self.loaded: set[str] = set()
-
-    def _site(
-        self, first: dict[int, str], name: str, module: nn.Module, attr: str, t: torch.Tensor, param: bool
-    ) -> None:
-        canonical = first.setdefault(id(t), name)
-        self.alias[name] = canonical
-        sites = self.sites.setdefault(canonical, [])
-        if all(m is not module or a != attr for m, a, _ in sites):
-            sites.append((module, attr, param))
-        if canonical == name:
-            self.specs[name] = (t.dtype, tuple(t.shape))
-
-    def _to_linear4bit(self) -> None:
-        quant_type, double_quant = _MODES[self.quantization]
-        lib = bnb()
-        for weight in sorted(self.linear_weights):
-            path = weight.rsplit(".", 1)[0]
-            parent_name, _, child = path.rpartition(".")
-            parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            old: nn.Linear = getattr(parent, child)
-            new = lib.nn.Linear4bit(
-                old.in_features,
-                old.out_features,
-                bias=old.bias is not None,
-                compute_dtype=self.dtype,
-                compress_statistics=double_quant,
-                quant_type=quant_type,
-                device="meta",
-            )
-            new.weight = lib.nn.Params4bit(
-                torch.empty(old.weight.shape, dtype=self.dtype, device="meta"),
-                requires_grad=False,
-                compress_statistics=double_quant,
-                quant_type=quant_type,
-                module=new,
-            )
-            if old.bias is not None:  # as quantize_model: the bias of a 4-bit layer is frozen
-                new.bias = nn.Parameter(old.bias, requires_grad=False)
-            new.support_avx512bf16_for_cpu = False
-            new.train(old.training)
-            setattr(parent, child, new)
-            self.four_bit[weight] = new
-
-    def target(self, key: str) -> str | None:
-        """The canonical name a checkpoint key loads into; None when the model has no such tensor."""
-        for candidate in _candidates(key):
-            if candidate in self.alias:
-                canonical = self.alias[candidate]
-                return canonical if canonical == candidate else ""
-        return None
-
-    def expect(self, name: str, tensor: torch.Tensor) -> None:
-        shape = self.specs[name][1]
-        if tuple(tensor.shape) != shape:
-            raise PorosConfigError(
-                f"Checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model built from config.json "
-                f"expects {shape}.",
-                "The checkpoint and its config.json disagree; re-download or re-save the checkpoint.",
-            )
-
-    def assign(self, name: str, tensor: torch.Tensor) -> None:
-        """Store an unquantized tensor (cast to its dtype, on the CPU) at every place it is registered."""
-        self.expect(name, tensor)
-        value = tensor.to(device="cpu", dtype=self.specs[name][0])
-        sites = self.sites[name]
-        if sites[0][2]:
-            value = nn.Parameter(value, requires_grad=sites[0][0]._parameters[sites[0][1]].requires_grad)
-        for module, attr, is_param in sites:
-            (module._parameters if is_param else module._buffers)[attr] = value
-        self.loaded.add(name)
-
-    def finish(self, report: LoadReport) -> PreTrainedModel:
-        missing = [n for n in self.params if n not in self.loaded]
-        if missing:
-            raise PorosConfigError(
-                f"The checkpoint has no tensor for {len(missing)} parameter(s) of the model, e.g. {missing[:5]}.",
-                "Check that config.json belongs to these weights (model_type, layer count, tie_word_embeddings).",
-            )
-        disable_cpu_repacking(self.model)
-        self.model.train()
-        setattr(self.model, _REPORT, report)
-        return self.model
-
-
-def _candidates(key: str) -> Iterator[str]:
-    """The key itself, then the renames transformers applies for the registered families."""
-    yield key
-    if key.startswith("model.language_model."):  # multimodal checkpoint, text-only model
-        yield "model." + key[len("model.language_model.") :]
-    if key.startswith("language_model.model."):  # older multimodal layout
-        yield "model.language_model." + key[len("language_model.model.") :]
-    if key.startswith("language_model.lm_head."):
-        yield key[len("language_model.") :]
-    if not key.startswith("model."):  # a base-model checkpoint without the causal LM prefix
-        yield "model." + key
-
-
-def _quantize_weight(lin: nn.Module, weight: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
-    """Quantize ``weight`` on ``device`` exactly as a resident bitsandbytes load does; keep the result on the CPU."""
-    lib = bnb()
-    quant_type, double_quant = lin.weight.quant_type, lin.weight.compress_statistics
-    param = lib.nn.Params4bit(
-        weight.to(device=device, dtype=dtype).contiguous(),
-        requires_grad=False,
-        compress_statistics=double_quant,
-        quant_type=quant_type,
-        module=lin,
-    ).to(device)
-    if device.type != "cpu":  # keep the packed bytes and the state on the host; no engine holds them yet
-        param.data = param.data.cpu()
-        param.quant_state.to("cpu")
-    lin.weight = param
-
-
-def _place(sk: _Skeleton, name: str, tensor: torch.Tensor, device: torch.device) -> None:
-    lin = sk.four_bit.get(name)
-    if lin is None:
-        sk.assign(name, tensor)
-        return
-    sk.expect(name, tensor)
-    _quantize_weight(lin, tensor, device, sk.dtype)
-    sk.loaded.add(name)
 
 
 @contextlib.contextmanager
@@ -326,7 +110,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _load_checkpoint(sk: _Skeleton, files: list[Path], device: torch.device, progress: bool) -> int:
+def _load_checkpoint(sk: Skeleton, files: list[Path], device: torch.device, progress: bool) -> int:
     read = 0
     with _progress(
         progress, "quantizing" if sk.four_bit else "loading", sum(p.stat().st_size for p in files)
@@ -356,7 +140,7 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
-def _random_tensor(sk: _Skeleton, name: str, seed: int, device: torch.device, std: float) -> torch.Tensor:
+def _random_tensor(sk: Skeleton, name: str, seed: int, device: torch.device, std: float) -> torch.Tensor:
     """Deterministic random weights: N(0, std) matrices, ones for norm vectors, zeros for other vectors.
 
     Linear weights (the ones that get quantized) are drawn on ``device``, everything else on the CPU,
@@ -454,7 +238,7 @@ def load_quantized(
         key = nf4_cache.cache_key(fingerprint, quantization=quantization, dtype=dtype, device_type=device.type)
         entry = nf4_cache.entry_dir(root, source, quantization, key)
         if entry.exists():
-            sk = _Skeleton(config, quantization, dtype, attn_implementation)
+            sk = Skeleton(config, quantization, dtype, attn_implementation)
             bars = functools.partial(_progress, progress)
             try:
                 report.bytes_read = nf4_cache.read_entry(sk, entry, key, verify_cache, bars)
@@ -472,7 +256,7 @@ def load_quantized(
                 report.quantized_layers, report.seconds = len(sk.four_bit), time.perf_counter() - start
                 log.info("Loaded %s from the NF4 cache %s in %.1f s.", source, entry, report.seconds)
                 return _named(model, source)
-    sk = _Skeleton(config, quantization, dtype, attn_implementation)
+    sk = Skeleton(config, quantization, dtype, attn_implementation)
     report.bytes_read = _load_checkpoint(sk, files, device, progress)
     report.quantized_layers, report.seconds = len(sk.four_bit), time.perf_counter() - start
     log.info("Loaded %s (%d 4-bit layers, on %s) in %.1f s.", source, len(sk.four_bit), device, report.seconds)
@@ -518,7 +302,7 @@ def load_random_quantized(
     _check_arch(hf_config, allow_unlisted_arch)
     device = _compute_device(compute_device)
     start = time.perf_counter()
-    sk = _Skeleton(hf_config, quantization, dtype, attn_implementation)
+    sk = Skeleton(hf_config, quantization, dtype, attn_implementation)
     std = _std(hf_config)
     total = sum(dt.itemsize * math.prod(shape) for dt, shape in sk.specs.values())
     layer = None
@@ -565,7 +349,7 @@ def random_checkpoint(
     device = _compute_device(device)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    sk = _Skeleton(hf_config, "none", dtype, None)
+    sk = Skeleton(hf_config, "none", dtype, None)
     specs = [TensorSpec(n, *sk.specs[n]) for n in sk.params]
     shards = plan_shards(specs, [layer_index(n) for n in sk.params], shard_bytes)
     std = _std(hf_config)

@@ -1,0 +1,185 @@
+"""``poros-lightning bench run CONFIG`` and ``poros-lightning bench report JSONL... -o report.html``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from poros_lightning.errors import PorosConfigError
+
+__all__ = ["main", "load_bench_config", "run_bench"]
+
+_KEYS = {
+    "model",
+    "model_config",
+    "scale",
+    "seq_lens",
+    "lora_r",
+    "batch_size",
+    "steps",
+    "warmup",
+    "runs",
+    "out",
+    "build",
+    "compile_layers",
+    "rounds",
+    "profile",
+}
+_BUILDS = {"auto": None, "direct": False, "blockwise": True}
+
+
+def load_bench_config(path: str | Path) -> dict[str, Any]:
+    """Read and validate a bench YAML file."""
+    try:
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise PorosConfigError(f"Cannot read bench config {str(path)!r}: {err}", "Pass a readable YAML file.") from err
+    unknown = set(cfg) - _KEYS
+    if unknown:
+        raise PorosConfigError(
+            f"Unknown keys in {path}: {', '.join(sorted(unknown))}.", f"Allowed keys: {', '.join(sorted(_KEYS))}."
+        )
+    if not cfg.get("runs"):
+        raise PorosConfigError(f"{path} lists no runs.", "Add `runs: [{method: poros}, {method: resident_gc}]`.")
+    if cfg.get("build", "auto") not in _BUILDS:
+        raise PorosConfigError(
+            f"Unknown build {cfg['build']!r} in {path}.",
+            "Use build: auto (blockwise when bf16 weights would not fit), direct or blockwise.",
+        )
+    return cfg
+
+
+def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[str, Any]]:
+    """Run every (seq_len, run) of a bench config; append rows to ``out`` (JSONL) and return them."""
+    import torch
+
+    from poros_lightning.tools.bench.harness import bench_methods, measure_h2d, write_jsonl
+    from poros_lightning.tools.parity.runner import versions
+
+    if "model_config" in cfg:
+        config = dict(cfg["model_config"])
+    else:
+        from poros_lightning.tools.check import load_config
+
+        config, _ = load_config(cfg["model"])
+    h2d = measure_h2d()
+    run_id = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"  # rows of one process share it
+    rows = []
+    rounds = int(cfg.get("rounds", 1))
+    if rounds < 1:
+        raise PorosConfigError(f"rounds must be >= 1, got {rounds}.", "Use rounds: 1 (default) or more.")
+    # Several rounds interleave the methods (A B A B ...): a drift of the machine hits all of them alike.
+    runs = [{**run, "round": i} for i in range(rounds) for run in cfg["runs"]] if rounds > 1 else cfg["runs"]
+
+    def record(row: dict[str, Any]) -> None:
+        full = {
+            "model": f"{cfg.get('model', config.get('model_type'))} (random init)",
+            "scale": cfg.get("scale"),
+            "pinned_peak_h2d_gbps": h2d,
+            "run_id": run_id,
+            **row,
+            **versions(),
+        }
+        print({k: full.get(k) for k in ("scale", "seq_len", "method", "s_per_step", "peak_vram_gb", "h2d_copy_gbps")})
+        rows.append(full)
+        if out is not None:
+            write_jsonl([full], out)  # as soon as the run ends: a later crash or kill loses nothing measured
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    for seq_len in cfg.get("seq_lens", [512]):
+        bench_methods(
+            config,
+            runs,
+            seq_len=int(seq_len),
+            batch_size=int(cfg.get("batch_size", 1)),
+            lora_r=int(cfg.get("lora_r", 16)),
+            steps=int(cfg.get("steps", 10)),
+            warmup=int(cfg.get("warmup", 3)),
+            blockwise=_BUILDS[cfg.get("build", "auto")],
+            compile_layers=bool(cfg.get("compile_layers", False)),
+            profile=bool(cfg.get("profile", False)),
+            on_row=record,
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``poros-lightning bench``."""
+    p = argparse.ArgumentParser(prog="poros-lightning bench", description="Benchmarks: run them, report them.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a bench YAML (see configs/bench/) and append JSONL rows")
+    run.add_argument("config")
+    run.add_argument("--out", help="JSONL file to append to (overrides the YAML's `out`)")
+    run.add_argument("--steps", type=int, help="timed steps (overrides the YAML)")
+    run.add_argument("--runs", nargs="+", metavar="NAME", help="only the runs of these names (default: all)")
+    run.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (overrides the YAML)")
+    run.add_argument("--rounds", type=int, help="interleaved rounds of the runs (overrides the YAML)")
+    run.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step per run (CUDA) and add where its GPU time went to the row (profile_* fields)",
+    )
+    rep = sub.add_parser("report", help="render an HTML report (and print a Markdown table) from JSONL files")
+    rep.add_argument("jsonl", nargs="+")
+    rep.add_argument("-o", "--output", default="docs/benchmarks/report.html")
+    rep.add_argument(
+        "--where", action="append", default=[], metavar="KEY=VALUE", help="keep rows whose field KEY is VALUE"
+    )
+    rep.add_argument(
+        "--profile", action="store_true", help="also print the per-phase profile of rows run with `bench run --profile`"
+    )
+    rep.add_argument(
+        "--ratio-to",
+        metavar="METHOD",
+        help="also print each method's mean s/step over its rounds and its ratio to METHOD's in the same run",
+    )
+    args = p.parse_args(argv)
+    if args.command == "run":
+        cfg = load_bench_config(args.config)
+        if args.steps:
+            cfg["steps"] = args.steps
+        if args.seq_lens:
+            cfg["seq_lens"] = args.seq_lens
+        if args.rounds is not None:
+            cfg["rounds"] = args.rounds
+        if args.profile:
+            cfg["profile"] = True
+        if args.runs:
+            names = [r.get("name", r["method"]) for r in cfg["runs"]]
+            missing = sorted(set(args.runs) - set(names))
+            if missing:
+                raise PorosConfigError(
+                    f"No run named {', '.join(missing)} in {args.config}.", f"Runs there: {', '.join(names)}."
+                )
+            cfg["runs"] = [r for r, name in zip(cfg["runs"], names, strict=True) if name in args.runs]
+        run_bench(cfg, args.out or cfg.get("out"))
+        return 0
+    from poros_lightning.tools.bench.report import load_rows, markdown_table, profile_table, ratio_table, render_html
+
+    rows = load_rows(args.jsonl)
+    for cond in args.where:
+        key, sep, value = cond.partition("=")
+        if not sep:
+            raise PorosConfigError(f"--where {cond!r} is not KEY=VALUE.", "Write e.g. --where initial_adapter=host.")
+        rows = [r for r in rows if str(r.get(key)).lower() == value.lower()]
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(render_html(rows))
+    print(markdown_table(rows))
+    if args.ratio_to:
+        print()
+        print(ratio_table(rows, args.ratio_to))
+    if args.profile:
+        print()
+        print(profile_table(rows))
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,381 @@
+"""Benchmark harness: resident and streamed QLoRA steps side by side, in one process.
+
+Each method builds the same random-init model (``parity.build``), burns in, then times synchronized
+optimizer steps. Peak device memory counts from the first training step (after the model is built
+and, for ``poros``, prepared), so it measures training, not loading. Results are JSON-ready dicts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poros_lightning.engine.link import measure_h2d
+from poros_lightning.engine.optim_state import HostOptimizerState
+from poros_lightning.tools.parity.build import build_peft_model
+
+__all__ = ["METHODS", "bench_methods", "measure_h2d", "write_jsonl"]
+
+METHODS = ("poros", "resident", "resident_gc")
+
+
+def _host_rss() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1e9
+
+
+def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:
+    """A ``mark()`` that records the next of ``events`` on the current stream (nothing without events) and
+    appends the host's clock to ``stamps``."""
+    pending = iter(events)
+
+    def mark() -> None:
+        if events:
+            next(pending).record()
+        stamps.append(time.perf_counter())
+
+    return mark
+
+
+def _step_loop(
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    warmup: int,
+    vocab: int,
+    device: str,
+    ring: Any = None,
+    head: Any = None,
+    optimizer_on_host: bool = False,
+    peaks: dict[str, float] | None = None,
+    issued: list[float] | None = None,
+    split: dict[str, list[float]] | None = None,
+    host_split: dict[str, list[float]] | None = None,
+    counts: dict[str, Any] | None = None,
+    profile: dict[str, Any] | None = None,
+) -> list[float]:
+    """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
+
+    With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
+    ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
+    and of the optimizer update (``update``), over all steps: the profile of where the peak sits; and the
+    peak the caching allocator reserved (``reserved``). ``issued`` receives, for each timed step, the
+    seconds the host took to issue it (until the final synchronization): close to the step time when the
+    step is bound by the host launching kernels rather than by the GPU (host waits inside the step, such
+    as ``optimizer_on_host``'s synchronization, count as issuing). ``split`` (CUDA) receives, for each timed
+    step, the GPU seconds of its ``forward`` (model and loss), ``backward`` and ``update``, from CUDA events
+    on the compute stream: where a streamed step spends the time a resident one does not. ``host_split``
+    receives the same phases on the host's clock: how long the host took to issue each (a phase whose
+    host time equals its GPU time held the host back, e.g. by filling the queue of kernel launches). ``counts``
+    receives ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
+    ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
+    host ``head``'s copies), as they stood after the timed steps.
+    ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
+    timed ones (:func:`~poros_lightning.tools.bench.timeline.profile_step`): where that step's GPU time went.
+
+    Each step is timed until the compute stream has finished it: copies on side streams that a training
+    loop overlaps with the next step (``optimizer_on_host``'s copy out) run on into the next step's time,
+    as they do in training; what is still running after the last step counts in that step's time.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    host = HostOptimizerState(opt) if optimizer_on_host else None
+    cuda = device == "cuda"
+    phases = peaks if peaks is not None else {}
+    phases.update(forward_backward=0, update=0, reserved=0)
+
+    def phase_end(name: str) -> None:
+        if cuda:  # the allocator's bookkeeping is host-side: no synchronization
+            phases[name] = max(phases[name], torch.cuda.max_memory_allocated())
+            phases["reserved"] = max(phases["reserved"], torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+
+    def wait() -> None:  # the compute stream only (see above)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def step(ids: torch.Tensor, mark: Callable[[], None]) -> None:
+        mark()
+        if host is not None:
+            host.arm()
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        del logits
+        mark()
+        loss.backward()
+        mark()
+        phase_end("forward_backward")
+        if host is not None:
+            host.to_device()
+        opt.step()
+        if host is not None:
+            host.to_host()
+        opt.zero_grad(set_to_none=True)
+        mark()
+        phase_end("update")
+
+    times = []
+    for i, ids in enumerate(batches):
+        ids = ids.to(device, non_blocking=True)
+        wait()
+        if ring is not None and i == warmup:
+            ring.time_copies()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+        stamps: list[float] = []
+        t = time.perf_counter()
+        step(ids, _recorder(marks, stamps))
+        done_issuing = time.perf_counter()
+        wait()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+            if issued is not None:
+                issued.append(done_issuing - t)
+            if host_split is not None:
+                for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
+                    host_split.setdefault(name, []).append(b - a)
+            if split is not None and marks:
+                for name, (a, b) in zip(
+                    ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
+                ):
+                    split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+    if cuda and times:
+        t = time.perf_counter()
+        torch.cuda.synchronize()
+        times[-1] += time.perf_counter() - t
+    # What the timed steps copied, before a profiled step adds to it.
+    if ring is not None and counts is not None:
+        counts["ring_loads"] = ring.loads
+        counts["copy_stats"] = ring.copy_stats()
+        ring.time_copies(False)
+    if head is not None and counts is not None:
+        counts["head_loads"] = head.loads
+    if host is not None and counts is not None:
+        counts["optimizer_prefetches"] = host.prefetches
+    if profile is not None and cuda and batches:
+        from poros_lightning.tools.bench.timeline import profile_step
+
+        ids = batches[-1].to(device)
+        kept = dict(phases)  # the peaks are the timed steps'
+        profile.update(profile_step(lambda mark: step(ids, mark)))
+        phases.update(kept)
+    if host is not None:
+        host.close()
+    opt.state.clear()
+    return times
+
+
+def bench_methods(
+    config: dict[str, Any],
+    runs: list[dict[str, Any]],
+    *,
+    seq_len: int = 512,
+    batch_size: int = 1,
+    lora_r: int = 16,
+    steps: int = 10,
+    warmup: int = 3,
+    quantization: str = "nf4-dq",
+    blockwise: bool | None = None,
+    compile_layers: bool = False,
+    profile: bool = False,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Build the model once and time each run of ``runs`` on it, in order.
+
+    Each run is a dict with ``method`` (one of :data:`METHODS`), an optional ``name``, engine options
+    for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``keep_activations``,
+    ``embeddings_on_host``, ``head_on_host``, ``head_copies``, ``inputs_on_host``), an optional
+    ``optimizer_on_host`` (AdamW state in host memory between steps, as ``PorosStrategy`` does) and an
+    optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
+    card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
+    the planner of ``PorosStrategy(vram_budget=...)`` picks the engine options and ``optimizer_on_host``,
+    and the run is capped at the budget). ``compile_layers``: every run computes with each decoder
+    layer under ``torch.compile`` (:func:`~poros_lightning.training.compiling.compile_layers`). Between runs the adapter is reset
+    and the model returns to resident, so every method trains the same bytes. ``blockwise``: see
+    :func:`~poros_lightning.tools.parity.build.build_peft_model` (``None``: when bf16 would not fit). ``profile``
+    (CUDA): each run profiles one more step after its timed ones and adds its per-phase summary to the row
+    as ``profile_*`` fields (:func:`~poros_lightning.tools.bench.timeline.summarize_trace`). ``on_row`` is
+    called with each row as soon as its run ends (a run killed later loses nothing already measured).
+    """
+    from poros_lightning.api import engine_of, prepare, unprepare
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization, blockwise=blockwise)
+    if compile_layers:
+        from poros_lightning.training.compiling import compile_layers as compile_each_layer
+
+        compile_each_layer(model)
+    # The initial adapter waits in host memory: a device copy would count in every run's peak.
+    init = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (batch_size, seq_len), generator=gen) for _ in range(warmup + steps)]
+    total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
+    rows = []
+    for run in runs:
+        method = run["method"]
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(init[n])
+        engine_opts = {
+            k: run[k]
+            for k in (
+                "block_size",
+                "prefetch",
+                "resident_blocks",
+                "keep_activations",
+                "embeddings_on_host",
+                "head_on_host",
+                "head_copies",
+                "inputs_on_host",
+            )
+            if k in run
+        }
+        optimizer_on_host = bool(run.get("optimizer_on_host"))
+        memory_cap = run.get("memory_cap_gb")
+        planned: dict[str, Any] = {}
+        if run.get("vram_budget") is not None:
+            from poros_lightning.memory.planner import parse_bytes, plan_engine
+
+            plan = plan_engine(
+                config,
+                run["vram_budget"],
+                seq_len=seq_len,
+                batch_size=batch_size,
+                lora_r=lora_r,
+                quantization=quantization,
+                link_gbps=measure_h2d(nbytes=256 << 20, repeats=3) if device == "cuda" else None,  # as PorosStrategy
+            )
+            engine_opts.update(plan.engine_kwargs())
+            optimizer_on_host = plan.optimizer_on_host
+            memory_cap = memory_cap or parse_bytes(run["vram_budget"]) / 1e9
+            planned = {"vram_budget": run["vram_budget"], "plan": list(plan.explanation)}
+        if method == "resident_gc":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        elif method == "poros":
+            prepare(model, device=device, **engine_opts)
+        gc.collect()
+        row: dict[str, Any] = {
+            "method": run.get("name", method),
+            "base_method": method,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "lora_r": lora_r,
+            "quantization": quantization,
+            "steps": steps,
+            "warmup": warmup,
+            **engine_opts,
+            "optimizer_on_host": optimizer_on_host,
+            "compile_layers": compile_layers,
+            "initial_adapter": "host",  # rows without this field counted a device copy of it in their peak
+            **({"round": run["round"]} if "round" in run else {}),
+            **planned,
+        }
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            if memory_cap:
+                torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap * 1e9 / total))
+                row["memory_cap_gb"] = memory_cap
+        engine = engine_of(model)
+        loads0 = engine.ring.loads if engine is not None else 0
+        head = engine.host_head if engine is not None else None
+        head0 = head.loads if head is not None else 0
+        try:
+            ring = engine.ring if engine is not None else None
+            peaks: dict[str, float] = {}
+            issued: list[float] = []
+            split: dict[str, list[float]] = {}
+            host_split: dict[str, list[float]] = {}
+            counts: dict[str, Any] = {}
+            profiled: dict[str, Any] | None = {} if profile else None
+            times = _step_loop(
+                model,
+                batches,
+                warmup,
+                vocab,
+                device,
+                ring,
+                head,
+                optimizer_on_host=optimizer_on_host,
+                peaks=peaks,
+                issued=issued,
+                split=split,
+                host_split=host_split,
+                counts=counts,
+                profile=profiled,
+            )
+            s_per_step = sum(times) / len(times)
+            row.update(
+                oom=False,
+                s_per_step=s_per_step,
+                s_per_step_min=min(times),
+                host_issue_s_per_step=sum(issued) / len(issued),
+                **{f"{name}_s_per_step": sum(v) / len(v) for name, v in split.items()},
+                **{f"host_{name}_s_per_step": sum(v) / len(v) for name, v in host_split.items()},
+                tokens_per_s=batch_size * seq_len / s_per_step,
+                peak_vram_gb=max(peaks["forward_backward"], peaks["update"]) / 1e9 if device == "cuda" else None,
+                peak_forward_backward_gb=peaks["forward_backward"] / 1e9 if device == "cuda" else None,
+                peak_update_gb=peaks["update"] / 1e9 if device == "cuda" else None,
+                peak_reserved_gb=peaks["reserved"] / 1e9 if device == "cuda" else None,
+                host_rss_gb=_host_rss(),
+                **{f"profile_{k}": v for k, v in (profiled or {}).items()},
+            )
+            if "optimizer_prefetches" in counts:
+                row["optimizer_prefetches_per_step"] = counts["optimizer_prefetches"] / (warmup + steps)
+            if engine is not None:
+                copies = counts["ring_loads"] - loads0
+                timed = counts["copy_stats"]
+                if head is not None:
+                    row.update(
+                        head_loads_per_step=(counts["head_loads"] - head0) / (warmup + steps), head_mb=head.nbytes / 1e6
+                    )
+                row.update(
+                    num_blocks=engine.num_blocks,
+                    resident_at=engine.ring.resident_at,  # where the resident blocks sit (engine/slots.py)
+                    block_mb=engine.store.max_block_bytes / 1e6,
+                    host_store_gb=engine.store.total_bytes / 1e9,
+                    pinned=engine.store.pinned,
+                    loads_per_step=copies / (warmup + steps),
+                    h2d_gbps=copies / (warmup + steps) * engine.store.max_block_bytes / s_per_step / 1e9,
+                    h2d_copy_gbps=timed["gbps"] if engine.ring.use_streams else None,  # timed on the copy stream
+                    copy_busy_fraction=timed["seconds"] / sum(times) if engine.ring.use_streams else None,
+                )
+        except torch.OutOfMemoryError:
+            row.update(oom=True, s_per_step=None, peak_vram_gb=None)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            if method == "resident_gc":
+                model.gradient_checkpointing_disable()
+            elif method == "poros":
+                unprepare(model, device=device)
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
+    """Append ``rows`` to ``path`` as JSON lines."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
