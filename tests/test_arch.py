@@ -280,10 +280,10 @@ def test_allow_unlisted_guesses_the_standard_layout_and_warns():
 
 
 def test_status_is_data_driven(monkeypatch):
-    statuses = dict(registry_module._statuses())
+    statuses = dict(registry_module.statuses())
     monkeypatch.setattr(
         registry_module,
-        "_statuses",
+        "statuses",
         lambda: {
             **statuses,
             "llama": {"status": "target", "gate": None},

@@ -12,7 +12,6 @@ want a memory plan.
 from __future__ import annotations
 
 import importlib.util
-import json
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -20,6 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from poros_lightning.arch.status import guarantee, statuses
 from poros_lightning.errors import UnsupportedArchitectureError
 
 __all__ = [
@@ -57,11 +57,6 @@ MOE_MODEL_TYPES: frozenset[str] = frozenset({
 # Config keys whose positive value marks a mixture-of-experts checkpoint even under a dense model_type.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
-_GUARANTEES: dict[str, str] = {
-    "certified": "bit-identical to a resident run, gated on GPU: {gate}",
-    "experimental": "bit-identical on CPU parity tests in CI; no GPU gate yet",
-    "target": "planned, not supported yet",
-}
 
 
 class UnlistedArchitectureWarning(UserWarning):
@@ -216,17 +211,6 @@ _ENTRIES: dict[str, _Entry] = {
 }
 
 
-def guarantee(status: str, gate: str | None = None) -> str:
-    """The guarantee text for a status (``gate`` is the validation file of a certified entry)."""
-    return _GUARANTEES[status].format(gate=gate or "docs/validation/")
-
-
-@cache
-def _statuses() -> dict[str, dict[str, Any]]:
-    data = json.loads((Path(__file__).with_name("status.json")).read_text())
-    return {key: value for key, value in data.items() if not key.startswith("_")}
-
-
 @cache
 def _transformers_models_dir() -> Path | None:
     # find_spec on a top-level name does not import the package (transformers would import torch).
@@ -247,7 +231,7 @@ def transformers_knows(model_type: str) -> bool | None:
 
 
 def _spec(model_type: str, entry: _Entry) -> ArchSpec:
-    state = _statuses().get(model_type, {"status": "target", "gate": None})
+    state = statuses().get(model_type, {"status": "target", "gate": None})
     return ArchSpec(
         model_type=model_type,
         family=entry.family,
