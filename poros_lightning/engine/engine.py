@@ -7,7 +7,7 @@ Invariant: while attached, every streamed tensor of layer ``j`` is a view into t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -158,6 +158,21 @@ class StreamingEngine:
     @property
     def num_blocks(self) -> int:
         return len(self.store)
+
+    def set_keep_activations(self, keep_activations: int) -> None:
+        """Let the last ``keep_activations`` layers keep their activations from the next forward on.
+
+        Call it between steps, with no autograd graph of this model alive: each layer decides in its forward
+        whether to recompute, and a graph already built keeps the choice it was built with. Any value gives
+        the same bits (Note: [kept activations] in block.py), so a run may change it from one step to the next.
+        """
+        if keep_activations < 0:
+            raise PorosConfigError(
+                f"keep_activations must be >= 0, got {keep_activations}.", "Use 0 (recompute every layer) or more."
+            )
+        keep = min(keep_activations, len(self.layers))
+        self.streamer.keep_from = len(self.layers) - keep
+        self.options = replace(self.options, keep_activations=keep)
 
     def detach(self, device: torch.device | str | None = None, *, copy: bool = True) -> None:
         """Give every streamed tensor its own memory on ``device`` again and unwrap the layers.

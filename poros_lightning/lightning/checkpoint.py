@@ -338,11 +338,13 @@ def run_identity(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any
         "micro_batches": getattr(trainer.strategy, "micro_batches", 1),
         "compile_layers": bool(hparams.get("compile_layers", False)),
     }
-    engine = dict(getattr(trainer.strategy, "engine_kwargs", {}))
+    engine = dict(getattr(trainer.strategy, "engine_kwargs", {}))  # recorded for information only
     for peft_model in models:
         engine.update({k: str(v) for k, v in options_of(peft_model).items()})
     adapter = {name: list(p.shape) for name, p in module.named_parameters() if p.requires_grad}
-    return {"exact": exact, "adapter": adapter, "engine": _jsonable(engine, "engine"), "versions": _versions()}
+    plans = [json.loads(json.dumps(m._poros_plan, default=str)) for m in models if getattr(m, "_poros_plan", None)]
+    identity = {"exact": exact, "adapter": adapter, "engine": _jsonable(engine, "engine"), "versions": _versions()}
+    return {**identity, "plan": plans} if plans else identity
 
 
 _ADDED_LATER = {"micro_batches": 1, "compile_layers": False}  # what checkpoints written before these keys ran with

@@ -97,8 +97,9 @@ class PorosDDPStrategy(DDPStrategy):
         use_streams: copy on a side CUDA stream.
         resident_blocks: blocks kept on the device, spread over the model.
         embeddings_on_host: keep the input embedding table in host memory (per rank, not shared).
-        vram_budget: a per-GPU memory budget the planner fits ``resident_blocks``,
-            ``embeddings_on_host`` and ``head_on_host`` to (see :class:`~poros_lightning.PorosStrategy`).
+        vram_budget: ``"auto"`` (default), a per-GPU size, or ``"off"``: each rank plans the engine options
+            left ``None`` for its device, as :class:`~poros_lightning.PorosStrategy` does.
+        tune_steps: early steps each rank measures to fit its plan (Note: [measured plans]).
         seq_len: sequence length the budget is planned for.
         allow_unlisted_arch: stream an architecture missing from the registry, as experimental.
         shared_base: one copy of the base per host in ``/dev/shm`` (default); ``False`` gives every
@@ -123,24 +124,25 @@ class PorosDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        block_size: int = 1,
-        prefetch: int = 1,
+        block_size: int | None = None,
+        prefetch: int | None = None,
         num_slots: int | None = None,
         quantization: str = "nf4-dq",
-        pin_memory: bool = True,
-        use_streams: bool = True,
-        resident_blocks: int = 0,
-        embeddings_on_host: bool = False,
-        vram_budget: str | int | None = None,
+        pin_memory: bool | None = None,
+        use_streams: bool | None = None,
+        resident_blocks: int | None = None,
+        embeddings_on_host: bool | None = None,
+        vram_budget: str | int | None = "auto",
         seq_len: int | None = None,
         allow_unlisted_arch: bool = False,
         shared_base: bool = True,
-        head_on_host: bool = False,
-        head_copies: int = 2,
-        inputs_on_host: bool = False,
+        head_on_host: bool | None = None,
+        head_copies: int | None = None,
+        inputs_on_host: bool | None = None,
         micro_batch_order: bool = True,
         allow_dropout: bool = False,
-        keep_activations: int = 0,
+        keep_activations: int | None = None,
+        tune_steps: int = 8,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -164,6 +166,7 @@ class PorosDDPStrategy(DDPStrategy):
         self._set_engine_options(
             vram_budget,
             seq_len,
+            tune_steps,
             block_size=block_size,
             prefetch=prefetch,
             num_slots=num_slots,
@@ -175,8 +178,10 @@ class PorosDDPStrategy(DDPStrategy):
             head_on_host=head_on_host,
             head_copies=head_copies,
             inputs_on_host=inputs_on_host,
-            allow_unlisted_arch=allow_unlisted_arch,
         )
+        self.allow_unlisted_arch = allow_unlisted_arch
+        self.micro_batches = 1
+        self.optimizer_on_host = False
         self.shared_base = shared_base
         self.micro_batch_order = micro_batch_order
         self.allow_dropout = allow_dropout
@@ -188,6 +193,9 @@ class PorosDDPStrategy(DDPStrategy):
     _set_engine_options = PorosStrategy._set_engine_options
     _peft_models = PorosStrategy._peft_models
     _plan = PorosStrategy._plan
+    _tune = PorosStrategy._tune
+    engine_kwargs = PorosStrategy.engine_kwargs
+    on_train_batch_start = PorosStrategy.on_train_batch_start
     lightning_module_state_dict = PorosStrategy.lightning_module_state_dict
     load_model_state_dict = PorosStrategy.load_model_state_dict
 
@@ -237,7 +245,8 @@ class PorosDDPStrategy(DDPStrategy):
             self._prepare_shared(models, plans)
         else:
             for model, plan in zip(models, plans, strict=True):
-                prepare(model, device=device, **{**self.engine_kwargs, **plan})
+                prepare(model, device=device, **plan)
+                self._tune(model)
         move_resident(self.model, device)
         for module in self.model.modules():
             if hasattr(module, "_device"):
@@ -258,7 +267,8 @@ class PorosDDPStrategy(DDPStrategy):
             for creating in (True, False):  # creators fill the files; then the others map them
                 if creator is creating:
                     for model, plan, arenas in zip(models, plans, self.shared, strict=True):
-                        prepare(model, device=self.root_device, arena_factory=arenas, **{**self.engine_kwargs, **plan})
+                        prepare(model, device=self.root_device, arena_factory=arenas, **plan)
+                        self._tune(model)
                 self.barrier("poros_shared_base")
         finally:
             for arenas in self.shared:

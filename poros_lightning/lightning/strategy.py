@@ -22,9 +22,10 @@ from typing_extensions import override
 from poros_lightning import quant
 from poros_lightning.api import default_device, is_prepared, prepare, unprepare
 from poros_lightning.engine import move_resident
-from poros_lightning.engine.link import measure_h2d
 from poros_lightning.errors import PorosConfigError
+from poros_lightning.lightning.planning import check_budget, plan_for
 from poros_lightning.lightning.precision import PorosPrecision, find_peft_models
+from poros_lightning.memory.options import resolve
 
 __all__ = ["PorosStrategy"]
 
@@ -84,10 +85,14 @@ class PorosStrategy(SingleDeviceStrategy):
         inputs_on_host: each recomputing layer's saved input (its hidden state, ``tokens x hidden``) waits
             in pinned host memory from the forward to the backward, copied out and back on side streams
             (exact; what a streamed forward otherwise accumulates on the device, one per layer).
-        vram_budget: a GPU memory budget (``"8GB"``, bytes): the planner chooses ``keep_activations``,
-            ``resident_blocks``, ``embeddings_on_host``, ``optimizer_on_host`` and ``head_on_host`` to fit it, logs its plan,
-            and raises ``PorosOOMError`` naming the smallest budget that would fit when nothing does.
-            Overrides those options.
+        vram_budget: ``"auto"`` (default): plan for the device's free memory at setup, less a margin
+            (:func:`poros_lightning.memory.options.auto_budget`); a size (``"8GB"``, bytes): plan for that;
+            ``"off"``: no plan, unset options take the engine's defaults. The planner chooses every engine
+            option left ``None``; options set here win over the plan and the log says so. The first
+            ``tune_steps`` steps then fit the plan to their measured peaks and times (exact; Note:
+            [measured plans] in engine/tuner.py). Raises ``PorosOOMError`` naming the smallest budget that
+            fits when nothing does. On the CPU there is no device budget: ``"auto"`` means ``"off"``.
+        tune_steps: early steps measured to fit the plan (0: keep the estimated plan as it is).
         seq_len: sequence length the budget is planned for; by default the datamodule's ``seq_len``.
         allow_unlisted_arch: stream an architecture missing from the registry, as experimental.
         micro_batches: ``k > 1`` runs each batch as ``k`` micro-batches *block-major*: every micro-batch
@@ -105,23 +110,24 @@ class PorosStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         device: _DEVICE | None = None,
-        block_size: int = 1,
-        prefetch: int = 1,
+        block_size: int | None = None,
+        prefetch: int | None = None,
         num_slots: int | None = None,
         quantization: str = "nf4-dq",
-        pin_memory: bool = True,
-        use_streams: bool = True,
-        resident_blocks: int = 0,
-        embeddings_on_host: bool = False,
-        vram_budget: str | int | None = None,
+        pin_memory: bool | None = None,
+        use_streams: bool | None = None,
+        resident_blocks: int | None = None,
+        embeddings_on_host: bool | None = None,
+        vram_budget: str | int | None = "auto",
         seq_len: int | None = None,
         allow_unlisted_arch: bool = False,
         micro_batches: int = 1,
-        head_on_host: bool = False,
-        head_copies: int = 2,
-        inputs_on_host: bool = False,
-        optimizer_on_host: bool = False,
-        keep_activations: int = 0,
+        head_on_host: bool | None = None,
+        head_copies: int | None = None,
+        inputs_on_host: bool | None = None,
+        optimizer_on_host: bool | None = None,
+        keep_activations: int | None = None,
+        tune_steps: int = 8,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
@@ -132,7 +138,7 @@ class PorosStrategy(SingleDeviceStrategy):
                 "Use micro_batches=1 (off) or k >= 2 micro-batches per batch.",
             )
         self.micro_batches = micro_batches
-        self.optimizer_on_host = optimizer_on_host
+        self.optimizer_on_host = bool(optimizer_on_host)
         self.splitters: list[Any] = []
         self.quantization = quant.check_quantization(quantization)
         if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -152,6 +158,7 @@ class PorosStrategy(SingleDeviceStrategy):
         self._set_engine_options(
             vram_budget,
             seq_len,
+            tune_steps,
             block_size=block_size,
             prefetch=prefetch,
             num_slots=num_slots,
@@ -163,15 +170,39 @@ class PorosStrategy(SingleDeviceStrategy):
             head_on_host=head_on_host,
             head_copies=head_copies,
             inputs_on_host=inputs_on_host,
-            allow_unlisted_arch=allow_unlisted_arch,
+            optimizer_on_host=optimizer_on_host,
         )
+        self.allow_unlisted_arch = allow_unlisted_arch
 
-    def _set_engine_options(self, vram_budget: str | int | None, seq_len: int | None, **engine_kwargs: Any) -> None:
-        """The options ``prepare`` gets for each PEFT model, and what the planner needs (shared with PorosDDPStrategy)."""
-        self.engine_kwargs: dict[str, Any] = engine_kwargs
+    def _tune(self, peft_model: nn.Module) -> None:
+        """Measure the first steps and fit the plan to them (Note: [measured plans]; CUDA with a plan only)."""
+        from poros_lightning.lightning.planning import tuner_for
+
+        tuner = tuner_for(self, peft_model, log)
+        if tuner is not None:
+            self.tuners.append(tuner)
+
+    def _set_engine_options(
+        self, vram_budget: str | int | None, seq_len: int | None, tune_steps: int, **options: Any
+    ) -> None:
+        """What the user set, the budget and what the planner needs (shared with PorosDDPStrategy).
+
+        Engine options left ``None`` are the plan's to choose (Note: [who decides] in memory/options.py).
+        """
+        check_budget(vram_budget)
+        self.explicit: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
         self.vram_budget = vram_budget
         self.seq_len = seq_len
+        self.tune_steps = tune_steps
         self.plans: list[Any] = []
+        self.tuners: list[Any] = []
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The options ``prepare`` gets without a plan: the engine's defaults and what the user set."""
+        chosen, _ = resolve(self.explicit, None)
+        chosen.pop("optimizer_on_host")
+        return {**chosen, "allow_unlisted_arch": self.allow_unlisted_arch}
 
     # Lightning's connector hands a name-registered strategy its devices through this property.
     @property
@@ -233,7 +264,8 @@ class PorosStrategy(SingleDeviceStrategy):
             if not is_prepared(peft_model):
                 if self.micro_batches > 1:
                     self._split_micro_batches(peft_model)  # inside the engine's wrapper: one load for all
-                prepare(peft_model, device=device, **{**self.engine_kwargs, **self._plan(peft_model)})
+                prepare(peft_model, device=device, **self._plan(peft_model))
+                self._tune(peft_model)
         # Everything else the LightningModule holds (metrics, extra heads) is small and resident.
         move_resident(self.model, device)
         for module in self.model.modules():
@@ -264,7 +296,7 @@ class PorosStrategy(SingleDeviceStrategy):
                 "Use micro_batches=1 with Trainer(accumulate_grad_batches=k), which is exact for this model.",
             )
         micro_size = self._check_block_major_data(getattr(self.lightning_module, "_trainer", None))
-        spec = arch_for_model(base, allow_unlisted=self.engine_kwargs["allow_unlisted_arch"])
+        spec = arch_for_model(base, allow_unlisted=self.allow_unlisted_arch)
         modules = [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)]
         splitter = MicroBatches(base, modules, self.micro_batches)
         splitter.micro_size = micro_size
@@ -310,60 +342,25 @@ class PorosStrategy(SingleDeviceStrategy):
         batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
         return batch_size if isinstance(batch_size, int) and batch_size > 0 else self.micro_batches
 
-    def _link_gbps(self) -> float | None:
-        """The pinned host-to-device bandwidth, measured on this device (None off CUDA, or if pinning fails)."""
-        if self.root_device.type != "cuda":
-            return None
-
-        try:
-            with torch.cuda.device(self.root_device):
-                return measure_h2d(nbytes=256 << 20, repeats=3)
-        except RuntimeError as err:  # pinned memory can be restricted (containers, ulimit -l)
-            log.warning("poros plan: could not measure the host-to-device link (%s); assuming the default", err)
-            return None
-
     def _plan(self, peft_model: nn.Module) -> dict[str, Any]:
-        """Engine options for ``vram_budget`` (empty when no budget is set)."""
-        if self.vram_budget is None:
-            return {}
-        from poros_lightning.memory.planner import plan_engine
-
-        seq_len = self.seq_len
+        """The options ``prepare`` gets for ``peft_model``: the plan for the budget, then what the user set."""
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if seq_len is None and trainer is not None:
-            seq_len = getattr(trainer.datamodule, "seq_len", None)
-        if seq_len is None:
-            raise PorosConfigError(
-                "PorosStrategy(vram_budget=...) needs the sequence length to plan for.",
-                "Pass PorosStrategy(vram_budget=..., seq_len=N) or use a datamodule with a `seq_len` attribute.",
-            )
-        base = peft_model.get_base_model()
-        config = base.config.to_dict()
-        lora = next(iter(peft_model.peft_config.values()))
-        head = base.get_output_embeddings() if callable(getattr(base, "get_output_embeddings", None)) else None
-        head_frozen = not getattr(getattr(head, "weight", None), "requires_grad", False)
-        plan = plan_engine(
-            config,
-            self.vram_budget,
-            seq_len=seq_len,
-            batch_size=self.micro_batches
-            * max(1, int(getattr(trainer.datamodule, "batch_size", 1) or 1))
-            // self.micro_batches
-            if trainer is not None and getattr(trainer, "datamodule", None) is not None
-            else self.micro_batches,
-            lora_r=int(lora.r),
-            quantization=self.quantization,
-            head_frozen=head_frozen,
-            link_gbps=self._link_gbps(),
-        )
-        for line in plan.explanation:
-            log.info("poros plan: %s", line)
+        plan = plan_for(self, peft_model, trainer, log)
+        if plan is None:
+            return self.engine_kwargs
         self.plans.append(plan)
-        if plan.optimizer_on_host:
+        options, _ = resolve(self.explicit, plan.options())
+        if options.pop("optimizer_on_host"):
             self.optimizer_on_host = True
             if isinstance(self._precision_plugin, PorosPrecision):
                 self._precision_plugin.optimizer_on_host = True
-        return plan.engine_kwargs()
+        return {**options, "allow_unlisted_arch": self.allow_unlisted_arch}
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Note: [measured plans] in engine/tuner.py: the first steps fit the plan to what they really use.
+        for tuner in self.tuners:
+            tuner.step_boundary()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

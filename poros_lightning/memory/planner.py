@@ -350,6 +350,7 @@ class EnginePlan:
         head_copies: head copies per step with ``head_on_host`` (1: the forward's copy serves the backward).
         inputs_on_host: each recomputing layer's saved input waits in host memory.
         optimizer_on_host: keep the optimizer's moments in host memory between steps.
+        activation_layer_bytes: estimate of one layer's kept activations (what the tuner starts from).
         vram_estimate: estimated peak of the chosen plan (bytes).
         vram_budget: the budget (bytes).
         explanation: one line per decision, for the log.
@@ -367,6 +368,11 @@ class EnginePlan:
     keep_activations: int = 0
     head_copies: int = 2
     inputs_on_host: bool = False
+    activation_layer_bytes: int = 0
+
+    def options(self) -> dict[str, Any]:
+        """Every option the plan chooses (:data:`poros_lightning.memory.options.OPTIONS` marks them ``planned``)."""
+        return {**self.engine_kwargs(), "optimizer_on_host": self.optimizer_on_host}
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The options ``prepare`` takes (``optimizer_on_host`` belongs to the precision plugin)."""
@@ -569,4 +575,5 @@ def plan_engine(
         keep_activations=int(kept),
         head_copies=head_copies,
         inputs_on_host=inputs_host,
+        activation_layer_bytes=plan.activation_layer_bytes,
     )

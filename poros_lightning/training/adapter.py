@@ -35,6 +35,8 @@ __all__ = [
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PLAN_FILE = "poros_plan.json"
+"""File written next to the adapter when a strategy planned the run: the plan and its measured steps."""
 TRAINING_INFO = "poros_training.json"
 """File written next to ``adapter_config.json``: how the base was quantized during training."""
 
@@ -143,6 +145,9 @@ class TrainingInfo:
 def save_adapter(model: nn.Module, directory: str | Path) -> Path:
     """Write a standard PEFT adapter directory plus ``poros_training.json``; works while prepared.
 
+    A model a strategy planned for also gets ``poros_plan.json``: the budget, the options chosen and why, and
+    what the first steps measured (it changes nothing of the adapter: every plan trains the same bits).
+
     Args:
         model: a ``peft.PeftModel`` (prepared for streaming or not).
         directory: created if needed; files inside are overwritten.
@@ -160,6 +165,9 @@ def save_adapter(model: nn.Module, directory: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     info.write(path)
+    plan = getattr(model, "_poros_plan", None)
+    if plan is not None:
+        (path / PLAN_FILE).write_text(json.dumps(plan, indent=2, default=str) + "\n")
     return path
 
 

@@ -1,0 +1,179 @@
+"""Fit the plan to the card during the first steps, from what each step really used and how long it took.
+
+Invariant: the tuner changes only how many layers keep their activations, between steps; every value gives the
+same bits (Note: [kept activations] in block.py), so tuning changes the speed and memory of a run, never its
+result.
+
+Note: [measured plans]
+    The planner's activation figures are estimates, and a card's limit is on what the caching allocator
+    *reserves*, fragmentation included. So after each early step the tuner reads the step's real peaks
+    (allocated and reserved) and the allocator's retries (a retry frees the cache and calls ``cudaMalloc``
+    again: a step that needed one ran at the edge of the budget, slowly):
+    - over the budget, or any retry: drop as many kept layers as the excess needs, plus one;
+    - room for at least one more layer's activations (measured per layer once two plans have run): keep
+      that many more, if the step got no slower than the fastest measured plan (3% for noise);
+    - a plan slower than the fastest one measured goes back to the fastest, and the tuner stops.
+    It stops after ``steps`` steps or once nothing changes; the plan then stays. Everything else a plan
+    chooses (slots, resident blocks, host-side options) is sized from exact byte counts at setup.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PlanTuner", "TunerStep"]
+
+
+@dataclass
+class TunerStep:
+    """One measured step: the plan it ran, its time and peaks (bytes), and what the tuner did next."""
+
+    keep_activations: int
+    seconds: float
+    peak_allocated: int
+    peak_reserved: int
+    retries: int
+    action: str = ""
+
+
+@dataclass
+class PlanTuner:
+    """Moves ``keep_activations`` of the engines of one run until the measured step fits its budget and is fastest.
+
+    Args:
+        set_keep: applies a number of kept layers to every engine of the run (between steps).
+        keep: the planned number of kept layers.
+        num_layers: decoder layers of the model (the most that can keep their activations).
+        budget: the run's device budget in bytes (reserved memory).
+        layer_bytes: the planner's estimate of one layer's kept activations.
+        device: the CUDA device whose memory is measured.
+        steps: early steps the tuner measures before the plan stays.
+        log: receives one line per decision.
+        stats: returns ``(peak allocated, peak reserved, allocator retries)`` since the last reset, and
+            ``reset`` starts a new window (both default to the CUDA caching allocator's; tests pass fakes).
+        clock: seconds, after the device finished the step's work (default: synchronize, then ``perf_counter``).
+    """
+
+    set_keep: Callable[[int], None]
+    keep: int
+    num_layers: int
+    budget: int
+    layer_bytes: int
+    device: torch.device
+    steps: int = 8
+    log: Callable[[str], None] = print
+    stats: Callable[[], tuple[int, int, int]] | None = None
+    reset: Callable[[], None] | None = None
+    clock: Callable[[], float] | None = None
+    history: list[TunerStep] = field(default_factory=list)
+    done: bool = False
+    _started: float | None = None
+    _retries: int = 0
+    _ceiling: int | None = None
+
+    def _stats(self) -> tuple[int, int, int]:
+        if self.stats is not None:
+            return self.stats()
+        stats = torch.cuda.memory_stats(self.device)
+        return (
+            int(stats.get("allocated_bytes.all.peak", 0)),
+            int(stats.get("reserved_bytes.all.peak", 0)),
+            int(stats.get("num_alloc_retries", 0)),
+        )
+
+    def _now(self) -> float:
+        if self.clock is not None:
+            return self.clock()
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _reset(self) -> None:
+        if self.reset is not None:
+            self.reset()
+        else:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_boundary(self) -> None:
+        """Call before every training step: closes the previous step's measurement, adjusts, opens the next."""
+        if self.done:
+            return
+        if self._started is not None:
+            seconds = self._now() - self._started
+            allocated, reserved, retries = self._stats()
+            self.history.append(TunerStep(self.keep, seconds, allocated, reserved, retries - self._retries))
+            self._decide()
+            if self.done:
+                return
+        self._reset()
+        self._retries = self._stats()[2]
+        self._started = self._now()
+
+    def measured_layer_bytes(self) -> int:
+        """Bytes per kept layer from two measured plans (the estimate until two plans have run)."""
+        by_keep: dict[int, int] = {}
+        for s in self.history[1:]:  # the first step also allocates what every later step reuses
+            by_keep[s.keep_activations] = max(by_keep.get(s.keep_activations, 0), s.peak_allocated)
+        if len(by_keep) < 2:
+            return self.layer_bytes
+        (k0, p0), (k1, p1) = sorted(by_keep.items())[0], sorted(by_keep.items())[-1]
+        return max(int((p1 - p0) / (k1 - k0)), self.layer_bytes // 2, 1) if k1 != k0 else self.layer_bytes
+
+    def _apply(self, keep: int, action: str) -> None:
+        keep = max(0, min(keep, self.num_layers))
+        self.history[-1].action = action
+        self.log(
+            f"poros plan: step {len(self.history)} ran {self.history[-1].seconds:.3f} s, peak "
+            f"{self.history[-1].peak_reserved / 1e9:.2f} GB reserved of {self.budget / 1e9:.2f} GB: {action}"
+        )
+        if keep != self.keep:
+            self.keep = keep
+            self.set_keep(keep)
+
+    def _decide(self) -> None:
+        last = self.history[-1]
+        per_layer = self.measured_layer_bytes()
+        if last.peak_reserved > self.budget or last.retries:
+            excess = max(last.peak_reserved - self.budget, 0)
+            drop = math.ceil(excess / per_layer) + 1
+            self._ceiling = max(self.keep - drop, 0)  # never grow back past what did not fit
+            self._apply(self.keep - drop, f"over the budget: {self._ceiling} layers keep activations")
+            if self.keep == 0:
+                self.done = True
+            return
+        timed = [s for s in self.history[1:] if not s.retries and s.peak_reserved <= self.budget]
+        if timed:
+            fastest = min(timed, key=lambda s: s.seconds)
+            if last is not self.history[0] and last.seconds > 1.03 * fastest.seconds:
+                self._apply(fastest.keep_activations, f"slower than {fastest.seconds:.3f} s: back to that plan")
+                self.done = True
+                return
+        room = int(0.9 * (self.budget - last.peak_reserved))  # fragmentation grows with what is added
+        limit = self.num_layers if self._ceiling is None else self._ceiling
+        more = max(min(room // per_layer, limit - self.keep), 0) if per_layer else 0
+        if more > 0:
+            self._apply(self.keep + more, f"room for {more} more layers' activations")
+        elif len(self.history) > 1:
+            self._apply(self.keep, "the plan stays")
+            self.done = True
+        if len(self.history) >= self.steps:
+            self.done = True
+
+    @staticmethod
+    def summary(history: Sequence[TunerStep]) -> list[dict[str, float | int | str]]:
+        """The measured steps as plain dicts (for logs, bench rows and checkpoints)."""
+        return [
+            {
+                "keep_activations": s.keep_activations,
+                "seconds": round(s.seconds, 4),
+                "peak_allocated_gb": round(s.peak_allocated / 1e9, 3),
+                "peak_reserved_gb": round(s.peak_reserved / 1e9, 3),
+                "retries": s.retries,
+                "action": s.action,
+            }
+            for s in history
+        ]

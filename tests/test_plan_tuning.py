@@ -1,0 +1,208 @@
+"""Plans for the card: the auto budget, who decides an option, the tuner, and plans changed mid-run staying exact.
+
+Exactness is checked as in test_strategy.py: against plain PEFT under Lightning's SingleDeviceStrategy (no
+engine code), four surfaces ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from test_strategy import Recorder, UserModule, _assert_equal, _data
+
+from poros_lightning import PorosDDPStrategy, PorosStrategy, prepare
+from poros_lightning.api import engine_of
+from poros_lightning.engine.engine import EngineOptions
+from poros_lightning.engine.tuner import PlanTuner
+from poros_lightning.lightning import planning
+from poros_lightning.memory.options import AUTO_MARGIN_BYTES, OPTIONS, auto_budget, defaults, resolve
+
+GB = 10**9
+
+
+class Replan(L.Callback):
+    """Changes how many layers keep their activations before given training batches (or drives a tuner)."""
+
+    def __init__(self, keeps: dict[int, int] | None = None, tuner_stats: list | None = None) -> None:
+        self.keeps = keeps or {}
+        self.tuner_stats = tuner_stats
+        self.tuner: PlanTuner | None = None
+        self.seen: list[int] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:  # noqa: ANN001
+        engine = engine_of(module.net)
+        if self.tuner_stats is not None:
+            if self.tuner is None:
+                stats = iter(self.tuner_stats)
+                clock = iter(float(i) for i in range(100))
+                self.tuner = PlanTuner(
+                    set_keep=engine.set_keep_activations, keep=0, num_layers=len(engine.layers), budget=10 * GB,
+                    layer_bytes=GB, device=torch.device("cpu"), stats=lambda: next(stats), reset=lambda: None,
+                    clock=lambda: next(clock), log=lambda line: None,
+                )  # fmt: skip
+            self.tuner.step_boundary()
+        elif batch_idx in self.keeps:
+            engine.set_keep_activations(self.keeps[batch_idx])
+        self.seen.append(engine.options.keep_activations)
+
+
+def _fit(strategy, callback: L.Callback | None = None) -> Recorder:  # noqa: ANN001
+    L.seed_everything(0, verbose=False)
+    module = UserModule(0.1)
+    rec = Recorder()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", max_steps=4, callbacks=[rec] + ([callback] if callback else []),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _data())
+    return rec
+
+
+@pytest.fixture(scope="module")
+def reference() -> Recorder:
+    return _fit(SingleDeviceStrategy("cpu"))
+
+
+def test_a_plan_changed_between_steps_stays_equal(reference: Recorder) -> None:
+    replan = Replan({1: 2, 2: 0, 3: 99})  # some layers, none, all: one plan per step
+    _assert_equal(reference, _fit(PorosStrategy(vram_budget="off"), replan))
+    assert replan.seen[:3] == [0, 2, 0] and replan.seen[3] > 2
+
+
+def test_the_tuner_moves_the_plan_and_the_run_stays_equal(reference: Recorder) -> None:
+    # (peak allocated, peak reserved, retries) read at each boundary: room, then over the budget.
+    stats = [(0, 0, 0), (3 * GB, 4 * GB, 0), (0, 0, 0), (11 * GB, 12 * GB, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
+    replan = Replan(tuner_stats=stats)
+    _assert_equal(reference, _fit(PorosStrategy(vram_budget="off"), replan))
+    kept = [s.keep_activations for s in replan.tuner.history]
+    assert kept[0] == 0 and kept[1] > 0  # grew into the room
+    assert replan.tuner.keep < kept[1]  # shrank after the step over the budget
+
+
+def _tuner(**kw) -> PlanTuner:  # noqa: ANN003
+    return PlanTuner(
+        set_keep=lambda k: None, keep=kw.pop("keep", 0), num_layers=kw.pop("num_layers", 28), budget=10 * GB,
+        layer_bytes=GB // 2, device=torch.device("cpu"), log=lambda line: None, **kw,
+    )  # fmt: skip
+
+
+def _drive(tuner: PlanTuner, steps: list[tuple[float, int, int, int]]) -> None:
+    """Feed the tuner measured steps ``(seconds, peak allocated, peak reserved, retries)``."""
+    clock = [0.0]
+    stats = [(0, 0, 0)]
+    tuner.clock = lambda: clock[0]
+    tuner.stats = lambda: stats[0]
+    tuner.reset = lambda: None
+    tuner.step_boundary()
+    for seconds, allocated, reserved, retries in steps:
+        clock[0] += seconds
+        stats[0] = (allocated, reserved, retries)
+        tuner.step_boundary()
+        stats[0] = (0, 0, 0)
+
+
+def test_tuner_shrinks_a_plan_over_its_budget_and_never_grows_past_it() -> None:
+    tuner = _tuner(keep=20)
+    _drive(tuner, [(1.0, 10 * GB, 11 * GB, 0), (1.0, 8 * GB, 8 * GB, 0)])
+    assert tuner.keep == 20 - 3  # 1 GB over at half a GB a layer: two layers, plus one
+    assert tuner.done
+
+
+def test_tuner_shrinks_on_an_allocator_retry() -> None:
+    tuner = _tuner(keep=10)
+    _drive(tuner, [(1.0, 8 * GB, 9 * GB, 2)])
+    assert tuner.keep == 9
+
+
+def test_tuner_goes_back_to_the_fastest_plan() -> None:
+    tuner = _tuner(keep=4)
+    # The first step (warm-up) leaves room: 16 layers keep; still room: all 28; that plan runs slower than
+    # the 16-layer one, so the tuner goes back to 16 and stops.
+    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
+    assert [s.keep_activations for s in tuner.history] == [4, 16, 28]
+    assert tuner.keep == 16 and tuner.done
+
+
+def test_tuner_stops_when_the_plan_fits_and_no_layer_is_left() -> None:
+    tuner = _tuner(keep=28)
+    _drive(tuner, [(1.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0)])
+    assert tuner.keep == 28 and tuner.done
+
+
+def test_auto_budget_from_a_faked_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert auto_budget(16 * GB) == int(16 * GB * 0.95)
+    assert auto_budget(4 * 2**30) == 4 * 2**30 - AUTO_MARGIN_BYTES  # the 512 MiB floor
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GB, 141 * GB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    cuda = torch.device("cuda", 0)
+    assert planning.device_budget("auto", cuda) == auto_budget(20 * GB)
+    # A per-process cap (a smaller card emulated, or a shared GPU) bounds the free memory.
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 16 * GB / (141 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    assert planning.device_budget("auto", cuda) == auto_budget(20 * GB, 16 * GB)
+    assert planning.device_budget("16GB", cuda) == 16 * GB
+    assert planning.device_budget("off", cuda) is None
+    assert planning.device_budget("auto", torch.device("cpu")) is None
+
+
+def test_auto_makes_the_plan_of_the_same_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Trainer(strategy="poros")`` on a card with 16 GB free plans as ``vram_budget`` of that budget does."""
+    from poros_lightning.memory.planner import plan_engine
+
+    monkeypatch.setattr(planning, "device_budget", lambda value, device: 16 * GB if value == "auto" else None)
+    monkeypatch.setattr(planning, "_link_gbps", lambda device, log: 25.0)
+    module = UserModule(0.1)
+    strategy = PorosStrategy(seq_len=16)
+    strategy._lightning_module = module
+    plan = planning.plan_for(strategy, module.net, None, logging.getLogger("test"))
+    cfg = module.net.get_base_model().config.to_dict()
+    assert plan == plan_engine(cfg, 16 * GB, seq_len=16, lora_r=8, link_gbps=25.0)
+
+
+def test_explicit_options_win_over_the_plan_and_are_named(caplog: pytest.LogCaptureFixture) -> None:
+    chosen, notes = resolve({"keep_activations": 2, "resident_blocks": None}, {"keep_activations": 4})
+    assert chosen["keep_activations"] == 2 and chosen["resident_blocks"] == 0
+    assert notes == ["keep_activations=2 set explicitly (the plan chose 4)"]
+    module = UserModule(0.1)
+    strategy = PorosStrategy(vram_budget="8GB", seq_len=16, keep_activations=1)
+    strategy._lightning_module = module
+    with caplog.at_level(logging.INFO):
+        options = strategy._plan(module.net)
+    assert options["keep_activations"] == 1
+    assert "keep_activations=1 set explicitly" in caplog.text
+    assert module.net._poros_plan["options"]["keep_activations"] == 1
+    model = prepare(module.net, device="cpu", **options)
+    assert engine_of(model).options.keep_activations == 1
+
+
+def test_off_and_unset_options_take_the_engine_defaults() -> None:
+    strategy = PorosStrategy(vram_budget="off")
+    assert {k: v for k, v in strategy.engine_kwargs.items() if k != "allow_unlisted_arch"} == {
+        k: v for k, v in defaults().items() if k != "optimizer_on_host"
+    }
+
+
+def test_a_bad_budget_fails_at_construction() -> None:
+    with pytest.raises(ValueError, match="invalid size"):
+        PorosStrategy(vram_budget="lots")
+
+
+@pytest.mark.parametrize("cls", [PorosStrategy, PorosDDPStrategy])
+def test_one_definition_of_the_engine_options(cls: type) -> None:
+    """Both strategies take every option of the table, unset by default; the engine's options agree with it."""
+    params = inspect.signature(cls.__init__).parameters
+    for option in OPTIONS:
+        if cls is PorosDDPStrategy and option.name == "optimizer_on_host":
+            continue  # chosen by its plan per rank; not a constructor option of the data-parallel strategy
+        assert option.name in params, option.name
+        assert params[option.name].default is None, option.name
+    assert params["vram_budget"].default == "auto"
+    for name, value in EngineOptions().__dict__.items():
+        assert defaults()[name] == value, name
+    prepare_params = inspect.signature(prepare).parameters
+    assert {o.name for o in OPTIONS} - {"optimizer_on_host"} <= prepare_params.keys()
