@@ -356,6 +356,8 @@ class PorosStrategy(SingleDeviceStrategy):
             quantization=self.quantization,
             head_frozen=head_frozen,
             link_gbps=self._link_gbps(),
+            # LoRALightningModule(loss_chunk_tokens=...): the logits of one chunk at a time
+            loss_chunk_tokens=getattr(self.lightning_module, "loss_chunk_tokens", None),
         )
         for line in plan.explanation:
             log.info("poros plan: %s", line)
