@@ -192,3 +192,18 @@ def test_vram_budget_shows_the_planners_choice(capsys):
     assert "planner (PorosStrategy(vram_budget=...)" in out and "LM head in host memory" in out
     assert main(["Qwen/Qwen2.5-72B", "--vram-budget", "4GB"]) == 0
     assert "The smallest streamed plan needs about 6.06 GB" in capsys.readouterr().out
+
+
+def test_loss_chunk_tokens_plans_one_chunk_of_logits(capsys):
+    assert main(["Qwen/Qwen2.5-7B", "--seq-len", "2048"]) == 0
+    assert "logits (bf16, fp32 upcast and grad)         3.11 GB" in capsys.readouterr().out
+    assert main(["Qwen/Qwen2.5-7B", "--seq-len", "2048", "--loss-chunk-tokens", "256", "--vram-budget", "8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "389.28 MB (loss in chunks of 256 tokens)" in out
+    assert "LM head and loss in chunks of 256 tokens: logits 389.28 MB" in out
+    assert (
+        check("Qwen/Qwen2.5-7B", seq_len=2048, loss_chunk_tokens=256).plan.streamed_vram_min
+        < check("Qwen/Qwen2.5-7B", seq_len=2048).plan.streamed_vram_min
+    )
+    assert main(["Qwen/Qwen2.5-7B", "--loss-chunk-tokens", "0"]) == 1
+    assert "loss_chunk_tokens=0 must be a positive integer" in capsys.readouterr().err

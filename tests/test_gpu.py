@@ -302,3 +302,36 @@ def test_launch_probe_finds_a_bounded_queue() -> None:
     row = probe(max_kernels=20000, sleep_s=2.0)
     assert row["queue_depth_kernels"] is not None and 100 < row["queue_depth_kernels"] < 20000
     assert 0 < row["launch_us_median"] < 1000
+
+
+def test_default_strategy_plans_like_the_same_budget(tmp_path: Path) -> None:
+    """``Trainer(strategy="poros")`` on the H200 capped at 16 GB makes the plan of ``vram_budget="16GB"``."""
+    import json
+    import logging
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from poros_lightning import PorosStrategy
+    from poros_lightning.lightning import planning
+
+    cfg = dict(known_config("Qwen/Qwen2.5-7B"))
+    with torch.device("meta"):  # the plan reads the config and the adapter's rank, not the weights
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    peft_model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction(16e9 / total)
+    log = logging.getLogger("poros_lightning.test")
+    rows = []
+    try:
+        for seq_len in (512, 2048):
+            auto = planning.plan_for(PorosStrategy(seq_len=seq_len), peft_model, None, log)
+            fixed = planning.plan_for(PorosStrategy(vram_budget="16GB", seq_len=seq_len), peft_model, None, log)
+            rows.append({"seq_len": seq_len, "auto": auto.options(), "16GB": fixed.options(),
+                         "auto_budget_gb": auto.vram_budget / 1e9, "same": auto.options() == fixed.options()})  # fmt: skip
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    out = _artifacts(tmp_path, "benchmarks", "planner_default.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert all(r["same"] for r in rows), rows

@@ -233,3 +233,37 @@ def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     assert middle.embeddings_on_host and not middle.head_on_host and not middle.optimizer_on_host
     tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.25GB")  # a tied head stays: only the moments move
     assert not tied.embeddings_on_host and not tied.head_on_host and tied.optimizer_on_host
+
+
+def test_a_chunked_loss_budgets_one_chunk_of_logits():
+    """loss_chunk_tokens: the logits term is 10 bytes x min(tokens, chunk) x vocabulary, in every mode."""
+    full = plan_memory(QWEN25_7B, seq_len=2048)
+    chunked = plan_memory(QWEN25_7B, seq_len=2048, loss_chunk_tokens=256)
+    assert full.logits_bytes == 10 * 2048 * 152064 and chunked.logits_bytes == 10 * 256 * 152064
+    saved = full.logits_bytes - chunked.logits_bytes
+    assert full.streamed_vram_min - chunked.streamed_vram_min == saved
+    assert full.resident_vram_gc - chunked.resident_vram_gc == saved
+    assert chunked.loss_chunk_tokens == 256 and full.loss_chunk_tokens is None
+    # a chunk longer than the batch is the whole batch
+    assert plan_memory(QWEN25_7B, seq_len=512, loss_chunk_tokens=4096).logits_bytes == 10 * 512 * 152064
+    assert plan_memory(QWEN25_7B, seq_len=512, batch_size=2, loss_chunk_tokens=1024).logits_bytes == 10 * 1024 * 152064
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(PorosConfigError, match="loss_chunk_tokens"):
+            plan_memory(QWEN25_7B, loss_chunk_tokens=bad)
+
+
+def test_plan_engine_with_a_chunked_loss():
+    """Chunks shrink the minimum plan; a host head then saves only what is away from the chunks, with one copy."""
+    from poros_lightning.memory.planner import plan_engine
+
+    cfg = known_config("Qwen/Qwen2.5-7B")
+    with pytest.raises(PorosOOMError):
+        plan_engine(cfg, "3GB", seq_len=2048)
+    plan = plan_engine(cfg, "3GB", seq_len=2048, loss_chunk_tokens=256)
+    assert plan.head_on_host and plan.head_copies == 1
+    assert "LM head and loss in chunks of 256 tokens" in plan.explanation[0]
+    memory = plan_memory(cfg, seq_len=2048, loss_chunk_tokens=256)
+    away = memory.activation_streamed_bytes - 28 * 2048 * 3584 * 2 - memory.logits_bytes
+    table = 152064 * 3584 * 2
+    assert any(f"saves {format_bytes(min(table, away))}" in line for line in plan.explanation)
+    assert plan.vram_estimate <= 0.9 * plan.vram_budget

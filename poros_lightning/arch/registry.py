@@ -79,6 +79,11 @@ class ArchSpec:
         notes: what is and is not supported for this model type.
         gate: the committed GPU parity gate under ``docs/validation/`` for certified entries.
         guessed: True when the layout was guessed for an unlisted model type.
+        body: dotted path of the module the HF forward calls for the final hidden states (its first output),
+            to which it then applies the head.
+        logit_softcap: whether the HF forward soft-caps the head's output,
+            ``cap * tanh(logits / cap)`` with ``cap`` = the text config's ``final_logit_softcapping`` (when set).
+            A loss that applies the head itself (``LoRALightningModule(loss_chunk_tokens=...)``) does the same.
     """
 
     model_type: str
@@ -92,6 +97,8 @@ class ArchSpec:
     notes: str = ""
     gate: str | None = None
     guessed: bool = False
+    body: str = "model"
+    logit_softcap: bool = False
 
     @property
     def guarantee(self) -> str:
@@ -120,6 +127,7 @@ class _Entry:
     lora_targets: tuple[str, ...]
     notes: str
     hf_module: str  # directory under transformers/models that defines this model type
+    logit_softcap: bool = False  # the HF forward applies final_logit_softcapping after the head
 
 
 _TEXT = ("model.layers", "model.embed_tokens", "model.norm", "lm_head")
@@ -181,6 +189,7 @@ _ENTRIES: dict[str, _Entry] = {
         STANDARD_TARGETS,
         "Text-only Gemma 3 (Gemma3ForCausalLM, e.g. gemma-3-1b).",
         "gemma3",
+        logit_softcap=True,
     ),
     "gemma3": _Entry(
         "gemma3",
@@ -190,6 +199,7 @@ _ENTRIES: dict[str, _Entry] = {
         "decoder under model.language_model streams; the SigLIP vision tower and projector stay resident and "
         "unadapted; image inputs are not parity-tested. Use peft_target_modules() so LoRA skips the vision tower.",
         "gemma3",
+        logit_softcap=False,  # transformers' Gemma3ForConditionalGeneration applies no final soft cap
     ),
     "gemma4_text": _Entry(
         "gemma4",
@@ -198,6 +208,7 @@ _ENTRIES: dict[str, _Entry] = {
         "Text-only dense Gemma 4 (Gemma4ForCausalLM). Per-layer-input projections, when present, are not adapted "
         "by default; the MoE variant (enable_moe_block) is out of scope.",
         "gemma4",
+        logit_softcap=True,
     ),
     "gemma4": _Entry(
         "gemma4",
@@ -207,6 +218,7 @@ _ENTRIES: dict[str, _Entry] = {
         "model.language_model streams; vision and audio towers stay resident and unadapted; image/audio inputs are "
         "not parity-tested. Use peft_target_modules() so LoRA skips the towers.",
         "gemma4",
+        logit_softcap=True,
     ),
 }
 
@@ -243,6 +255,7 @@ def _spec(model_type: str, entry: _Entry) -> ArchSpec:
         status=state["status"],
         notes=entry.notes,
         gate=state.get("gate"),
+        logit_softcap=entry.logit_softcap,
     )
 
 

@@ -31,10 +31,21 @@ Note: [prefetch]
     during those layers' forwards, where less is allocated than at the head (no logits yet). The
     backward's copy cannot overlap anything useful (the loss's backward is tiny) and runs when the
     node asks for it: at 55 GB/s a 7B head costs about 20 ms per step, a 72B head 45 ms.
+
+Note: [held weight]
+    A loss computed in token chunks calls the head once per chunk, in its forward and again in its
+    backward (which recomputes each chunk's logits). Copied in per call, the weight would cross the link
+    once per chunk and pass. :meth:`HostHead.hold` keeps one device copy for every head call inside it;
+    the views those calls save, and the reservations a chunked loss makes for its backward
+    (:meth:`HostHead.reserve`), form one group that shares one copy in the backward, as the views of
+    block-major micro-batches do. The backward's recompute holds that group's copy (``hold(group)``), so a
+    chunked loss costs the copies an unchunked head costs: two per step, or one with ``copies=1``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +138,7 @@ class HostHead:
         self._pieces: dict[int, int] = {}  # layer index -> bytes of the prefetch queued up to it (schedule())
         self._layers: tuple[int, float] | None = None  # schedule()'s arguments
         self._group: _Group | None = None  # the running forward's views
+        self._held: tuple[torch.Tensor, _Group] | None = None  # hold(): the device copy and its group
         self._storage: int | None = None  # data_ptr of the device weight the running forward reads
         self._previous = module.__dict__.get("forward")
         self._original = module.forward
@@ -223,24 +235,80 @@ class HostHead:
         group.weight = weight if group.pending > 0 else None
         return weight.as_strided(packed.size, packed.stride, packed.offset)
 
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _readopt(self) -> None:
         weight = self.module.weight
         if weight.data.data_ptr() != self.host.data_ptr():  # replaced since (load_state_dict, .to(dtype))
             self.host = self._adopt(weight)
             self._pending = None  # a prefetch of the old bytes
-        group = _Group(_autocast_dtype(self.host, self.device))
-        dev = self._fetch(group.dtype)
-        weight.data = dev
+
+    def _run(self, dev: torch.Tensor, group: _Group, args: Any, kwargs: Any) -> Any:
+        """The head's own forward on ``dev``, its saved views of ``dev`` packed into ``group``."""
         self._group, self._storage = group, dev.untyped_storage().data_ptr()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                out = self._original(*args, **kwargs)
+                return self._original(*args, **kwargs)
+        finally:
+            self._group = self._storage = None
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._held is not None:  # Note: [held weight]
+            return self._run(*self._held, args, kwargs)
+        weight = self.module.weight
+        self._readopt()
+        group = _Group(_autocast_dtype(self.host, self.device))
+        dev = self._fetch(group.dtype)
+        weight.data = dev
+        try:
+            out = self._run(dev, group, args, kwargs)
             if self.copies == 1 and group.pending:
                 group.weight = dev  # Note: [one copy per step]
             return out
         finally:
-            self._group = self._storage = None
             weight.data = self.host
+
+    @contextlib.contextmanager
+    def hold(self, group: _Group | None = None) -> Iterator[_Group]:
+        """Keep one device copy of the weight for every call of the head inside (Note: [held weight]).
+
+        Args:
+            group: ``None`` in a forward: the weight is fetched as a head forward fetches it, and the group
+                yielded collects the calls' saved views and :meth:`reserve` reservations. In a backward that
+                recomputes the head, the group a forward's hold yielded and reserved: its backward copy serves
+                (fetched if no view fetched it yet), and the reservation is released on exit.
+
+        Yields:
+            The group of this hold (inside an enclosing hold: the enclosing one's, and its copy).
+        """
+        if self._held is not None:
+            yield self._held[1]
+            return
+        weight = self.module.weight
+        backward = group is not None
+        if group is None:
+            self._readopt()
+            group = _Group(_autocast_dtype(self.host, self.device))
+            dev = self._fetch(group.dtype)
+        else:
+            dev = group.weight if group.weight is not None else self._fetch(group.dtype)
+            group.weight = dev  # the recompute's views unpack to it (the reservation keeps pending > 0)
+        weight.data = dev
+        self._held = (dev, group)
+        try:
+            yield group
+        finally:
+            self._held = None
+            weight.data = self.host
+            if backward:
+                group.pending -= 1
+                if group.pending == 0:
+                    group.weight = None
+            elif self.copies == 1 and group.pending:
+                group.weight = dev  # Note: [one copy per step]
+
+    def reserve(self, group: _Group) -> _Group:
+        """Count one more backward user of ``group``'s copy (released by ``hold(group)``); returns ``group``."""
+        group.pending += 1
+        return group
 
     def detach(self, device: torch.device | str) -> None:
         """Restore the module's forward and give the weight its own memory on ``device``."""

@@ -42,7 +42,7 @@ from torch import nn
 
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["MicroBatches", "dropout_sources", "micro_batch_mean", "micro_batch_sizes", "micro_batches_of"]
+__all__ = ["MicroBatches", "dropout_sources", "micro_batch_mean", "micro_batch_sizes", "micro_batches_of", "whole_batches"]
 
 _ATTR = "_poros_micro_batches"
 
@@ -59,6 +59,17 @@ def micro_batch_sizes(model: nn.Module, rows: int) -> list[int]:
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     found = getattr(base, _ATTR, None)
     return found.sizes(rows) if found is not None else [rows]
+
+
+def whole_batches(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """A context inside which the split modules of ``model`` run whole (a no-op when none are installed).
+
+    For a caller that already runs one micro-batch at a time: a loss computed in token chunks calls the
+    head per chunk of one micro-batch, in its backward too.
+    """
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    found = getattr(base, _ATTR, None)
+    return found.whole() if found is not None else contextlib.nullcontext()
 
 
 def micro_batch_mean(
@@ -120,6 +131,7 @@ class MicroBatches:
         self.fault: str | None = None  # "reversed_sum": negative control for the tests only
         self.queued = False
         self.micro_size: int | None = None  # rows per micro-batch; set from the loader (or the first batch)
+        self._whole = False  # whole(): the modules run unsplit
         self._saved: list[tuple[nn.Module, Any]] = []
         owned: set[int] = set()
         for module in modules:
@@ -170,6 +182,15 @@ class MicroBatches:
                 delattr(owner, name)
                 owner._parameters[name] = p
 
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Inside, the modules run unsplit (:func:`whole_batches`)."""
+        previous, self._whole = self._whole, True
+        try:
+            yield
+        finally:
+            self._whole = previous
+
     def sizes(self, rows: int) -> list[int]:
         """Rows of each micro-batch: ``micro_size`` each, the last one shorter when ``rows`` is not a multiple."""
         if self.micro_size is None:
@@ -188,7 +209,8 @@ class MicroBatches:
         return [self.micro_size] * full + ([rest] if rest else [])
 
     def _forward(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():  # evaluation: nothing accumulates, any batch size goes
+        # Evaluation: nothing accumulates, any batch size goes; whole(): the caller splits by micro-batch itself.
+        if not torch.is_grad_enabled() or self._whole:
             return original(*args, **kwargs)
         lead = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         rows = lead.shape[0]

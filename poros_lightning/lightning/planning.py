@@ -102,6 +102,8 @@ def plan_for(strategy: Any, peft_model: nn.Module, trainer: Any, log: logging.Lo
         quantization=strategy.quantization,
         head_frozen=not getattr(getattr(head, "weight", None), "requires_grad", False),
         link_gbps=_link_gbps(device, log),
+        # LoRALightningModule(loss_chunk_tokens=...): the logits of one chunk at a time
+        loss_chunk_tokens=getattr(strategy.lightning_module, "loss_chunk_tokens", None),
     )
     _, overridden = resolve(strategy.explicit, plan.options())
     how = (

@@ -21,8 +21,9 @@ __all__ = ["AUTO_MARGIN_BYTES", "AUTO_MARGIN_FRACTION", "OPTIONS", "Option", "au
 
 AUTO_MARGIN_BYTES = 512 * 2**20
 AUTO_MARGIN_FRACTION = 0.05
-"""``vram_budget="auto"`` is the device's free memory at setup less ``max(512 MiB, 5%)`` of it: room for what the
-estimate does not count (cuBLAS workspaces, the allocator's rounding, kernels' scratch memory)."""
+"""``vram_budget="auto"`` is the device's free memory at setup less ``max(512 MiB, 5%)`` of it (room for what the
+estimate does not count: cuBLAS workspaces, the allocator's rounding, kernels' scratch memory, other processes),
+or a per-process cap when one is set and smaller."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,13 @@ def defaults() -> dict[str, Any]:
 
 
 def auto_budget(free_bytes: int, cap_bytes: int | None = None) -> int:
-    """The ``"auto"`` budget: free device memory (within a per-process cap, if any) less the stated margin."""
-    free = free_bytes if cap_bytes is None else min(free_bytes, cap_bytes)
-    return max(int(free - max(AUTO_MARGIN_BYTES, AUTO_MARGIN_FRACTION * free)), 0)
+    """The ``"auto"`` budget: free device memory less the stated margin, within a per-process cap if one is set.
+
+    A cap (``torch.cuda.set_per_process_memory_fraction``, a card emulated or shared on purpose) is the user's own
+    statement of the budget, so it is taken as it is; the margin covers what free memory does not promise.
+    """
+    budget = int(free_bytes - max(AUTO_MARGIN_BYTES, AUTO_MARGIN_FRACTION * free_bytes))
+    return max(min(budget, cap_bytes) if cap_bytes is not None else budget, 0)
 
 
 def resolve(explicit: Mapping[str, Any], plan: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:

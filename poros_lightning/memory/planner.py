@@ -128,7 +128,8 @@ class MemoryPlan:
         lora_params: LoRA parameters on the default targets.
         lora_bytes: LoRA weights, gradients and two Adam moments, all fp32.
         activation_streamed_bytes: estimate: each block's input, one block's recompute working set, the
-            dequantized weight in flight, the boundary gradients, and the logits (bf16, fp32 upcast, fp32 grad).
+            dequantized weight in flight, the boundary gradients, and the logits (bf16, fp32 upcast, fp32 grad;
+            of one chunk with ``loss_chunk_tokens``).
         activation_resident_bytes: estimate for a resident run without gradient checkpointing.
         activation_resident_gc_bytes: estimate for a resident run with per-layer gradient checkpointing.
         activation_layer_bytes: estimate: what the largest decoder layer saves when it keeps its activations
@@ -144,6 +145,10 @@ class MemoryPlan:
         min_budget: the smallest budget the streamed run needs at this ``block_size`` (``streamed_vram_min``).
         max_block_size: the largest ``block_size`` whose streamed run fits ``vram_budget`` (None: none fits).
         notes: what the estimate leaves out for this model.
+        loss_chunk_tokens: tokens per chunk of the LM head and loss (``LoRALightningModule(loss_chunk_tokens=...)``),
+            or None (unchunked).
+        logits_bytes: estimate: the logits term of the activations, ``10 x tokens x vocabulary`` bytes (bf16,
+            fp32 upcast, fp32 gradient), of ``min(tokens, loss_chunk_tokens)`` tokens with a chunked loss.
     """
 
     model_type: str
@@ -176,6 +181,8 @@ class MemoryPlan:
     max_block_size: int | None = None
     notes: tuple[str, ...] = ()
     activation_layer_bytes: int = 0
+    loss_chunk_tokens: int | None = None
+    logits_bytes: int = 0
 
 
 def _layer_activation_per_token(layer: LayerShape, targets: frozenset[str], hidden: int) -> int:
@@ -216,6 +223,7 @@ def plan_memory(
     prefetch: int = 1,
     vram_budget: int | str | None = None,
     lora_targets: Sequence[str] | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> MemoryPlan:
     """Plan the memory of one QLoRA training step for the model described by ``cfg``.
 
@@ -229,6 +237,8 @@ def plan_memory(
         prefetch: blocks copied ahead of the one computing; the GPU holds ``max(2, prefetch + 1)`` slots.
         vram_budget: a GPU budget (bytes or ``"8GB"``) to test the plan against.
         lora_targets: linear layer names LoRA adapts (default: the family's registry entry).
+        loss_chunk_tokens: the LM head and the loss computed this many tokens at a time
+            (``LoRALightningModule(loss_chunk_tokens=...)``): the logits term counts one chunk, not every token.
 
     Returns:
         The plan; every size is in bytes (see :class:`MemoryPlan` for which are estimates).
@@ -238,6 +248,8 @@ def plan_memory(
     """
     shapes = cfg if isinstance(cfg, ModelShapes) else model_shapes(cfg)
     _check_positive(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=block_size)
+    if loss_chunk_tokens is not None:
+        _check_positive(loss_chunk_tokens=loss_chunk_tokens)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise PorosConfigError(f"prefetch={prefetch!r} must be an integer >= 0.", hint="pass prefetch=1.")
     if quantization not in QUANTIZATIONS:
@@ -275,7 +287,8 @@ def plan_memory(
     lora = _LORA_BYTES_PER_PARAM * lora_params
 
     boundary = tokens * hidden * _BF16  # one hidden-state tensor
-    logits = tokens * vocab * (_BF16 + 4 + 4)
+    # A chunked loss holds one chunk's logits at a time, in the forward and again in the backward's recompute.
+    logits = min(tokens, loss_chunk_tokens or tokens) * vocab * (_BF16 + 4 + 4)
     # Shared by every mode: the bf16 weight bitsandbytes dequantizes for one matmul, the gradients flowing
     # across a block boundary (output and input), and the logits with their fp32 upcast and gradient.
     common = _BF16 * largest_weight + 2 * boundary + logits
@@ -333,6 +346,8 @@ def plan_memory(
         max_block_size=max_block,
         notes=shapes.notes,
         activation_layer_bytes=max(layer_act),
+        loss_chunk_tokens=loss_chunk_tokens,
+        logits_bytes=logits,
     )
 
 
@@ -404,6 +419,7 @@ def plan_engine(
     head_frozen: bool = True,
     keep_activations: bool = True,
     link_gbps: float | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> EnginePlan:
     """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
 
@@ -417,7 +433,9 @@ def plan_engine(
     the device together, which saves ``min(head, 8 bytes x tokens x vocabulary)``); last, each recomputing layer's
     input (one hidden state per layer) waits in host memory (copied out in the link's idle direction and back
     in the backward's idle link time). ``head_frozen=False`` (a head trained through ``modules_to_save``) rules
-    the head out.
+    the head out. With a chunked loss (``loss_chunk_tokens``) every chunk's logits need the weight: it sits
+    beside them, so the head in host memory saves ``min(head, the activations other than the layers' inputs and
+    the logits)``, and its forward's copy serves its backward at no cost (``head_copies=1``).
 
     With the head in host memory, its backward's copy is the one copy nothing hides. When the budget (less
     10% headroom) also holds the head beside the logits, the plan keeps the forward's copy for the backward
@@ -451,7 +469,7 @@ def plan_engine(
     budget = parse_bytes(vram_budget)
     plan = plan_memory(
         cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=1, quantization=quantization,
-        prefetch=1, lora_targets=lora_targets,
+        prefetch=1, lora_targets=lora_targets, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     text = _text_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
@@ -464,6 +482,10 @@ def plan_engine(
     # and whatever of the resident part stays on the device.
     fwd = plan.streamed_vram_min
     why = [f"minimum plan (block_size 1, 2 slots of {format_bytes(plan.per_block_bytes)}): {format_bytes(fwd)}"]
+    if loss_chunk_tokens is not None:
+        why.insert(
+            0, f"LM head and loss in chunks of {loss_chunk_tokens} tokens: logits {format_bytes(plan.logits_bytes)}"
+        )
     embed_host = head_host = opt_host = False
     resident_left = plan.resident_bytes
 
@@ -485,13 +507,20 @@ def plan_engine(
         why.append(
             f"optimizer moments in host memory (two copies of {format_bytes(moments)} per step): {format_bytes(need())}"
         )
+    vocab = int(text["vocab_size"])
+    if loss_chunk_tokens is None:
+        head_saves = min(table, 8 * tokens * vocab)
+    else:
+        # Every chunk needs the weight: it sits beside the chunks' logits, and is away only from the rest of the
+        # estimate's activations (a layer's recompute, the dequantized weight, the boundary gradients).
+        inputs_and_logits = plan.num_layers * tokens * int(text["hidden_size"]) * _BF16 + plan.logits_bytes
+        head_saves = min(table, plan.activation_streamed_bytes - inputs_and_logits)
     if need() > budget and not tied and head_frozen:
         head_host = True
-        saved = min(table, 8 * tokens * int(text["vocab_size"]))
-        fwd -= saved
+        fwd -= head_saves
         resident_left -= table
         why.append(
-            f"LM head in host memory (two head copies per step) saves {format_bytes(saved)}: {format_bytes(need())}"
+            f"LM head in host memory (two head copies per step) saves {format_bytes(head_saves)}: {format_bytes(need())}"
         )
     inputs = plan.num_layers * tokens * int(text["hidden_size"]) * _BF16  # one saved hidden state per layer
     inputs_host = False
@@ -502,9 +531,12 @@ def plan_engine(
             f"layer inputs in host memory (two copies of {format_bytes(inputs)} per step): {format_bytes(need())}"
         )
     head_copies = 2
-    if head_host:
+    if head_host and loss_chunk_tokens is not None:
+        head_copies = 1  # the weight is beside the chunks' logits anyway: keeping it for their backward is free
+        why.append("the head's forward copy serves its backward (one head copy per step; free with a chunked loss)")
+    elif head_host:
         saved_fwd = fwd
-        fwd += min(table, 8 * tokens * int(text["vocab_size"]))
+        fwd += min(table, 8 * tokens * vocab)
         if need() <= int(budget * 0.9):
             head_copies = 1
             why.append(f"the head's forward copy serves its backward (one head copy per step): {format_bytes(need())}")

@@ -207,6 +207,7 @@ def check(
     prefetch: int = 1,
     allow_unlisted: bool = False,
     link_gbps: float | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> CheckResult:
     """Check MODEL's support status and plan its memory (see :func:`poros_lightning.memory.planner.plan_memory`).
 
@@ -222,6 +223,8 @@ def check(
         allow_unlisted: treat an unregistered model type as experimental with a guessed layout.
         link_gbps: the pinned host-to-device bandwidth the planner plans for (``doctor`` measures it;
             default :data:`~poros_lightning.memory.planner.DEFAULT_LINK_GBPS`).
+        loss_chunk_tokens: the LM head and the loss in chunks of this many tokens
+            (``LoRALightningModule(loss_chunk_tokens=...)``); None: unchunked.
 
     Returns:
         The result; an unsupported model gives ``supported=False`` and the reason in ``error``.
@@ -256,6 +259,7 @@ def check(
         prefetch=prefetch,
         vram_budget=vram_budget,
         lora_targets=spec.lora_targets,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     notes.extend(plan.notes)
     engine_plan: tuple[str, ...] = ()
@@ -263,7 +267,7 @@ def check(
         try:
             engine_plan = plan_engine(
                 cfg, vram_budget, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization,
-                lora_targets=spec.lora_targets, link_gbps=link_gbps,
+                lora_targets=spec.lora_targets, link_gbps=link_gbps, loss_chunk_tokens=loss_chunk_tokens,
             ).explanation  # fmt: skip
         except PorosOOMError as err:
             engine_plan = (str(err).splitlines()[0],)
@@ -320,6 +324,8 @@ def format_check(result: CheckResult) -> str:
         f"  per block (one GPU slot, {plan.slots} slots)      {format_bytes(plan.per_block_bytes):>10}",
         f"  resident (embeddings, norms, head, ...)  {format_bytes(plan.resident_bytes):>10}",
         f"  LoRA (fp32 weights, grads, Adam)         {format_bytes(plan.lora_bytes):>10}",
+        f"  logits (bf16, fp32 upcast and grad)      {format_bytes(plan.logits_bytes):>10}"
+        + (f" (loss in chunks of {plan.loss_chunk_tokens} tokens)" if plan.loss_chunk_tokens else ""),
         "",
         f"  {'estimate':<22}{'streamed':>12}{'resident+GC':>14}{'resident':>12}",
         f"  {'activations':<22}{format_bytes(plan.activation_streamed_bytes):>12}"
@@ -360,6 +366,11 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="pinned host-to-device GB/s to plan for (`poros-lightning doctor` measures it; default 25, PCIe 4.0 x16)",
     )
+    parser.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        help="plan for the LM head and loss in chunks of N tokens (LoRALightningModule(loss_chunk_tokens=N))",
+    )
     parser.add_argument("--allow-unlisted", action="store_true", help="try an unregistered model type (guessed layout)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
@@ -381,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             prefetch=args.prefetch,
             allow_unlisted=args.allow_unlisted,
             link_gbps=args.link_gbps,
+            loss_chunk_tokens=args.loss_chunk_tokens,
         )
     except PorosConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -11,6 +11,8 @@ this one is the ready-made recipe.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -25,8 +27,14 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
+from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of, whole_batches
 from poros_lightning.errors import NonFiniteLossError, PorosConfigError, PorosError, ResumeMismatchError
+from poros_lightning.training.chunked_loss import (
+    check_chunk_tokens,
+    chunked_causal_lm_eval,
+    chunked_causal_lm_loss,
+    final_logit_softcap,
+)
 from poros_lightning.training.models import load_base_model
 
 __all__ = ["IGNORE_INDEX", "LoRALightningModule", "causal_lm_loss"]
@@ -87,6 +95,11 @@ class LoRALightningModule(L.LightningModule):
         allow_unlisted_arch: build a ``model_type`` the architecture registry does not list.
         compile_layers: ``torch.compile`` each decoder layer (see :func:`poros_lightning.training.compiling.compile_layers`;
             streamed and resident runs stay bit-identical; the first steps include compilation).
+        loss_chunk_tokens: compute the LM head and the loss this many token positions at a time (the backward
+            recomputes each chunk's logits), so the ``[B, T, vocabulary]`` fp32 logits never exist: about
+            ``10 x chunk x vocabulary`` bytes instead of ``10 x tokens x vocabulary``, for one more head forward
+            per step. Streamed and resident runs stay bit-identical; against the unchunked loss the sums run in
+            another order (last-bit differences, see :mod:`poros_lightning.training.chunked_loss`). ``None``: unchunked.
     """
 
     def __init__(
@@ -107,6 +120,7 @@ class LoRALightningModule(L.LightningModule):
         seed: int | None = None,
         allow_unlisted_arch: bool = False,
         compile_layers: bool = False,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         super().__init__()
         if seed is not None:
@@ -122,6 +136,7 @@ class LoRALightningModule(L.LightningModule):
         _check_positive("warmup_steps", warmup_steps, allow_zero=True)
         if not 0.0 <= lora_dropout < 1.0:
             raise PorosConfigError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}.", "Typical values: 0.0-0.1.")
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
 
         base = load_base_model(
             model,
@@ -131,6 +146,7 @@ class LoRALightningModule(L.LightningModule):
             allow_unlisted_arch=allow_unlisted_arch,
             attn_implementation=attn_implementation,
         )
+        self._lm_parts = self._find_lm_parts(base, allow_unlisted_arch) if loss_chunk_tokens else None
         self.model = self._apply_lora(base, target_modules, allow_unlisted_arch)
         self.model.train()
         if compile_layers:
@@ -173,6 +189,68 @@ class LoRALightningModule(L.LightningModule):
                 f"Use names of its linear layers, e.g. {linear}, or leave target_modules unset.",
             ) from err
 
+    @staticmethod
+    def _find_lm_parts(base: torch.nn.Module, allow_unlisted: bool) -> tuple[str, str, float | None]:
+        """Where the decoder body and the LM head are, and the logit soft cap the model's forward applies."""
+        from poros_lightning.arch import arch_for_model
+
+        spec = arch_for_model(base, allow_unlisted=allow_unlisted)
+        return spec.body, spec.head, final_logit_softcap(base.config, spec)
+
+    def _hidden(self, batch: Batch) -> torch.Tensor:
+        """The final hidden states ``[B, T, H]``: the body the model's forward calls, without the head."""
+        from poros_lightning.arch import resolve
+
+        assert self._lm_parts is not None
+        body = resolve(self.model.get_base_model(), self._lm_parts[0])
+        out = body(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+        return out.last_hidden_state
+
+    def _lm_head(self) -> tuple[torch.nn.Module, Any]:
+        """The head module and the engine's host-memory keeper of its weight (``None`` when it is resident)."""
+        from poros_lightning.api import engine_of
+        from poros_lightning.arch import resolve
+
+        assert self._lm_parts is not None
+        head = resolve(self.model.get_base_model(), self._lm_parts[1])
+        host = getattr(engine_of(self.model), "host_head", None)
+        return head, host if host is not None and host.module is head else None
+
+    def _chunked_loss(self, batch: Batch) -> torch.Tensor:
+        """The training loss with the head and the loss in chunks (one loss per block-major micro-batch)."""
+        hidden = self._hidden(batch)
+        head, host = self._lm_head()
+        loss_fn = functools.partial(
+            chunked_causal_lm_loss,
+            head=head,
+            chunk_tokens=self.loss_chunk_tokens,
+            softcap=self._lm_parts[2],
+            host_head=host,
+            context=functools.partial(whole_batches, self.model),  # the backward calls the head per chunk
+            ignore_index=IGNORE_INDEX,
+        )
+        k = micro_batches_of(self.model)
+        # One copy of a host head's weight serves every micro-batch's chunks (Note: [held weight] in engine.head).
+        with host.hold() if host is not None else contextlib.nullcontext():
+            if k > 1:
+                sizes = micro_batch_sizes(self.model, batch["input_ids"].shape[0])
+                return micro_batch_mean(loss_fn, k, hidden, batch["labels"], sizes=sizes)[0]
+            return loss_fn(hidden, batch["labels"])
+
+    @override
+    def on_fit_start(self) -> None:
+        if not self.loss_chunk_tokens or micro_batches_of(self.model) == 1:
+            return
+        head, _ = self._lm_head()
+        trained = [n for n, p in head.named_parameters() if p.requires_grad]
+        if trained:
+            raise PorosConfigError(
+                f"loss_chunk_tokens with block-major micro-batches needs a frozen LM head; this one trains "
+                f"{trained[:2]}, whose per-micro-batch gradients would be summed in autograd's order.",
+                "Leave the LM head out of target_modules, or use micro_batches=1 (Trainer(accumulate_grad_batches=k) "
+                "is exact) or loss_chunk_tokens=None.",
+            )
+
     @override
     def setup(self, stage: str) -> None:
         # Catch a tokenizer/model mismatch before the first step instead of as an index error inside it.
@@ -209,7 +287,9 @@ class LoRALightningModule(L.LightningModule):
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         k = micro_batches_of(self.model)
-        if k > 1:  # block-major micro-batches (PorosStrategy(micro_batches=k)): one loss per micro-batch
+        if self.loss_chunk_tokens:  # the head and the loss in token chunks (per micro-batch when k > 1)
+            loss = self._chunked_loss(batch)
+        elif k > 1:  # block-major micro-batches (PorosStrategy(micro_batches=k)): one loss per micro-batch
             sizes = micro_batch_sizes(self.model, batch["input_ids"].shape[0])
             loss, _ = micro_batch_mean(causal_lm_loss, k, self(batch), batch["labels"], sizes=sizes)
         else:
@@ -242,6 +322,22 @@ class LoRALightningModule(L.LightningModule):
 
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        if self.loss_chunk_tokens:
+            head, host = self._lm_head()
+            loss, predicted, targets = chunked_causal_lm_eval(
+                self._hidden(batch),
+                batch["labels"],
+                head,
+                self.loss_chunk_tokens,
+                softcap=self._lm_parts[2],
+                host_head=host,
+                ignore_index=IGNORE_INDEX,
+            )
+            count = (targets != IGNORE_INDEX).sum()
+            if int(count) > 0:
+                self.val_loss.update(loss, weight=count)
+                self.val_token_acc.update(predicted, targets)
+            return loss
         logits = self(batch)
         labels = batch["labels"]
         loss = causal_lm_loss(logits, labels)
