@@ -9,18 +9,17 @@ function returning a result; this module parses arguments and prints. Everything
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib
-import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from poros_lightning.assets.configs import bundled_configs, configs_dir, resolve_config
+from poros_lightning._logging import logs_on_stderr
+from poros_lightning.assets.configs import bundled_configs, configs_dir, resolve_config, resolve_config_args
 from poros_lightning.errors import PorosConfigError, PorosError
 
 if TYPE_CHECKING:
@@ -35,7 +34,6 @@ __all__ = [  # noqa: F822
     "format_help",
     "generate_answers",
     "main",
-    "resolve_config_args",
     "run_demo",
 ]
 
@@ -539,53 +537,6 @@ def format_help() -> str:
     return "\n".join(lines)
 
 
-def _looks_like_a_name(value: str) -> bool:
-    # jsonargparse also takes inline YAML for --config ("{trainer: {max_steps: 1}}"): leave that alone.
-    return bool(value) and not any(c in value for c in "{}[]:\n")
-
-
-def _config_value(value: str) -> str:
-    if Path(value).expanduser().exists() or not _looks_like_a_name(value):
-        return value
-    return str(resolve_config(value))
-
-
-def resolve_config_args(args: list[str]) -> list[str]:
-    """``args`` with each ``--config NAME`` (``-c``, ``--config=``) that names a shipped config replaced by its path.
-
-    Raises:
-        PorosConfigError: a ``--config`` value is neither a file nor a shipped config.
-    """
-    out = list(args)
-    for i, arg in enumerate(out):
-        if arg in ("--config", "-c") and i + 1 < len(out):
-            out[i + 1] = _config_value(out[i + 1])
-        elif arg.startswith("--config="):
-            out[i] = "--config=" + _config_value(arg.removeprefix("--config="))
-    return out
-
-
-@contextlib.contextmanager
-def _poros_logs_on_stderr() -> Iterator[None]:
-    """Show poros-lightning's INFO messages (memory plan, resume, loading) on stderr, as Lightning shows its own.
-
-    Leaves a ``poros_lightning`` logger that already has a handler (the application configured it) as it is.
-    """
-    logger = logging.getLogger("poros_lightning")
-    if logger.handlers:
-        yield
-        return
-    handler, level = logging.StreamHandler(), logger.level
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``poros-lightning`` console script; returns the exit status.
 
@@ -605,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command in _TOOLS:
             return int(_tool_main(command)(args[1:]) or 0)
-        with _poros_logs_on_stderr():
+        with logs_on_stderr():
             if command == "demo":
                 return _demo_main(args[1:])
             _cli_class()(args=resolve_config_args(args))

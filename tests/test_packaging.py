@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from poros_lightning.assets.configs import bundled_configs, configs_dir, resolve_config
-from poros_lightning.cli import DEFAULT_DEMO_CONFIG, resolve_config_args
+from poros_lightning.assets.configs import bundled_configs, configs_dir, resolve_config, resolve_config_args
+from poros_lightning.cli import DEFAULT_DEMO_CONFIG
 from poros_lightning.errors import PorosConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,9 +95,9 @@ def test_an_installed_wheel_ships_the_configs(tmp_path: Path) -> None:
     assert installed.returncode == 0, installed.stderr[-3000:]
     code = (
         "import json, sys\n"
-        "from poros_lightning.cli import DEFAULT_DEMO_CONFIG, resolve_config_args\n"
+        "from poros_lightning.cli import DEFAULT_DEMO_CONFIG\n"
         "from poros_lightning.assets import tiny_instruct_path\n"
-        "from poros_lightning.assets.configs import resolve_config\n"
+        "from poros_lightning.assets.configs import resolve_config, resolve_config_args\n"
         "import poros_lightning\n"
         "print(json.dumps({'package': poros_lightning.__file__, 'demo': str(DEFAULT_DEMO_CONFIG),\n"
         "    'fit': resolve_config_args(['fit', '--config', 'qwen2.5-7b'])[2],\n"

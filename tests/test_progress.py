@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
-from poros_lightning._counts import log_count
+from poros_lightning._logging import log_count
 from poros_lightning.progress import PorosProgressBar
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["KINDS", "bundled_configs", "configs_dir", "resolve_config"]
+__all__ = ["KINDS", "bundled_configs", "configs_dir", "resolve_config", "resolve_config_args"]
 
 KINDS: tuple[str, ...] = ("", "bench", "parity")
 """Config kinds: ``""`` for LightningCLI (fit, demo), and the subfolders read by ``bench run`` and ``parity``."""
@@ -71,3 +71,29 @@ def resolve_config(value: str | Path, kind: str = "") -> Path:
         f"Config {str(value)!r} is neither a file nor a shipped config.",
         f"Pass the path of a YAML file, or one of the shipped {kind + ' ' if kind else ''}configs: {names}.",
     )
+
+
+def _looks_like_a_name(value: str) -> bool:
+    # jsonargparse also takes inline YAML for --config ("{trainer: {max_steps: 1}}"): leave that alone.
+    return bool(value) and not any(c in value for c in "{}[]:\n")
+
+
+def _config_value(value: str) -> str:
+    if Path(value).expanduser().exists() or not _looks_like_a_name(value):
+        return value
+    return str(resolve_config(value))
+
+
+def resolve_config_args(args: list[str]) -> list[str]:
+    """``args`` with each ``--config NAME`` (``-c``, ``--config=``) that names a shipped config replaced by its path.
+
+    Raises:
+        PorosConfigError: a ``--config`` value is neither a file nor a shipped config.
+    """
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg in ("--config", "-c") and i + 1 < len(out):
+            out[i + 1] = _config_value(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + _config_value(arg.removeprefix("--config="))
+    return out

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poros_lightning._counts import log_count
+from poros_lightning._logging import log_count
 from poros_lightning.engine.block import LayerStreamer
 from poros_lightning.engine.offload import InputOffload
 from poros_lightning.engine.slots import SlotRing, rebind

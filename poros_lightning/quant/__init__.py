@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from poros_lightning._counts import log_count
+from poros_lightning._logging import log_count
 from poros_lightning.errors import PorosConfigError, PorosError
 
 log = logging.getLogger(__name__)
