@@ -45,7 +45,6 @@ _TOOLS = {
     "bench": "poros_lightning.bench",
     "parity": "poros_lightning.parity",
 }
-_LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 _DESCRIPTION = (
     "QLoRA fine-tuning with a streamed base. Lightning commands: fit, validate, test, predict (--config X.yaml). "
     "Also: check, doctor, demo, export, bench, parity (each takes --help)."
