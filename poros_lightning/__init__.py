@@ -4,7 +4,7 @@ The frozen NF4 base lives in pinned host RAM and streams through the GPU one blo
 at a time; the trained adapter is bit-identical to a fully resident run.
 
 ``import poros_lightning`` registers the ``"poros"`` strategy with Lightning, so
-``Trainer(strategy="poros")`` works.
+``Trainer(strategy="poros")`` works, and hides a few third-party messages nobody can act on (see ``_quiet``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "unprepare",
 ]
 
+from poros_lightning import _quiet  # noqa: E402
 from poros_lightning.errors import (  # noqa: E402
     DataError,
     PorosConfigError,
@@ -42,12 +43,24 @@ from poros_lightning.errors import (  # noqa: E402
     UnsupportedArchitectureError,
 )
 
+_quiet.install()  # before Lightning, PEFT or bitsandbytes is imported: hides their noise the user cannot act on
+
 
 def _light_import() -> bool:
-    """``poros-lightning check`` answers without importing torch: skip the heavy imports for it."""
+    """The ``poros-lightning`` command imports Lightning only for the commands that train (see ``cli.main``).
+
+    So ``poros-lightning --help``, ``check``, ``doctor``, ``export --help``... answer without importing torch. The
+    command is recognised by its console script's name or by ``python -m poros_lightning.cli``; any other process
+    (a library user's ``import poros_lightning``) registers the strategies at import.
+    """
     if os.environ.get("POROS_LIGHTNING_LIGHT") == "1":
         return True
-    return os.path.basename(sys.argv[0] if sys.argv else "") == "poros-lightning" and sys.argv[1:2] == ["check"]
+    script = os.path.basename(sys.argv[0] if sys.argv else "")
+    if script in ("poros-lightning", "poros-lightning.exe", "poros-lightning-script.py"):
+        return True
+    # While `python -m poros_lightning.cli` imports this package, sys.argv[0] is still "-m": read the real command.
+    argv = getattr(sys, "orig_argv", [])
+    return "-m" in argv and argv[argv.index("-m") + 1 : argv.index("-m") + 2] == ["poros_lightning.cli"]
 
 
 _LAZY = {
@@ -74,6 +87,7 @@ def __getattr__(name: str) -> object:
 
 
 def _register() -> None:
+    """Register ``"poros"`` and ``"poros_ddp"`` with Lightning's strategy registry (idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     from poros_lightning.lightning.ddp import PorosDDPStrategy

@@ -224,7 +224,9 @@ def prepare(
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
     if checkpointing:
         log.info("Disabling Hugging Face gradient checkpointing: streamed layers recompute on their own.")
-        base.gradient_checkpointing_disable()
+        # transformers 5.x renamed gradient_checkpointing_* (the old names warn); older releases have only those.
+        disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
+        disable()
     engine = StreamingEngine(layers, refs, device, options, arena_factory=arena_factory)
     quant.move_quant_states(model, device)
     engine.host_embedding = _host_embedding(base, spec.embed, spec.head, device) if embeddings_on_host else None

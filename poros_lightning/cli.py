@@ -18,19 +18,51 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from poros_lightning._logging import logs_on_stderr
 from poros_lightning.errors import PorosConfigError, PorosError
+from poros_lightning.training.assets.configs import bundled_configs, configs_dir, resolve_config, resolve_config_args
 
 if TYPE_CHECKING:
     import lightning as L
 
-__all__ = ["DemoResult", "DemoSample", "PorosCLI", "format_demo", "generate_answers", "main", "run_demo"]  # noqa: F822
+__all__ = [  # noqa: F822
+    "DEFAULT_DEMO_CONFIG",
+    "DemoResult",
+    "DemoSample",
+    "PorosCLI",
+    "format_demo",
+    "format_help",
+    "generate_answers",
+    "main",
+    "run_demo",
+]
 
-_TOOLS = ("check", "doctor", "export", "bench", "parity")
+# Each tool's entry module parses its arguments before importing torch, so `poros-lightning X --help` is instant.
+_TOOLS = {
+    "check": "poros_lightning.tools.check",
+    "doctor": "poros_lightning.tools.doctor",
+    "export": "poros_lightning.tools.export_cli",
+    "bench": "poros_lightning.tools.bench",
+    "parity": "poros_lightning.tools.parity",
+}
 _DESCRIPTION = (
     "QLoRA fine-tuning with a streamed base. Lightning commands: fit, validate, test, predict (--config X.yaml). "
     "Also: check, doctor, demo, export, bench, parity (each takes --help)."
 )
-DEFAULT_DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+_COMMANDS = (
+    ("fit", "train from a LightningCLI config: --config PATH or a shipped name (--resume auto|DIR, --save_adapter)"),
+    ("validate", "run the validation loop of a config"),
+    ("test", "run the test loop of a config"),
+    ("predict", "run the prediction loop of a config"),
+    ("check", "is a model supported, and which memory plan fits a VRAM budget (no torch import)"),
+    ("doctor", "versions, GPU, pinned host-to-device bandwidth, and what to fix"),
+    ("demo", "fine-tune the bundled SmolLM2-135M on the bundled data on the CPU and show the change"),
+    ("export", "merge a LoRA adapter into its base and write a Hugging Face checkpoint"),
+    ("bench", "run benchmarks (JSONL) and render reports"),
+    ("parity", "resident vs streamed on every surface, torch.equal"),
+)
+DEFAULT_DEMO_CONFIG = configs_dir() / "demo.yaml"
+"""The shipped demo config (package data of an installed poros-lightning)."""
 _RESUME_HINT = (
     "Use --resume auto (resume from the newest checkpoint in the PorosCheckpoint dirpath if there is one, else "
     "start fresh) or --resume DIR (a PorosCheckpoint dirpath holding step-<N>/ directories)."
@@ -71,6 +103,7 @@ def _resume_value(value: str | None, subcommand: str | None, ckpt_path: str | No
 
 def _make_cli_class() -> type:
     """Build :class:`PorosCLI` on first use, so that ``import poros_lightning.cli`` stays light."""
+    from jsonargparse import ActionYesNo
     from lightning.pytorch.cli import LightningCLI
     from typing_extensions import override
 
@@ -80,11 +113,14 @@ def _make_cli_class() -> type:
         ``model`` defaults to :class:`~poros_lightning.training.module.LoRALightningModule` and ``data`` to
         :class:`~poros_lightning.training.data.InstructionDataModule`; both accept ``class_path`` for your own classes.
         The optimizer is the module's own (AdamW on the adapter only), so ``--optimizer`` is not offered.
-        ``--save_adapter DIR`` writes the PEFT adapter directory when ``fit`` finishes. ``fit --resume auto``
-        resumes from the newest checkpoint in the :class:`~poros_lightning.lightning.checkpoint.PorosCheckpoint` dirpath if
-        there is one, else starts fresh; ``fit --resume DIR`` resumes from the newest checkpoint under ``DIR`` (it
-        must hold one). A ``PorosCheckpoint`` in the config keeps writing to its own dirpath; without one,
-        ``--resume`` adds one writing to ``DIR`` (or ``checkpoints`` for ``auto``).
+        ``--save_adapter DIR`` writes the PEFT adapter directory when ``fit`` finishes.
+
+        ``fit`` checkpoints for an exact resume by default (:mod:`poros_lightning.lightning.resume`): the config's
+        :class:`~poros_lightning.lightning.checkpoint.PorosCheckpoint`, else one writing to
+        ``<trainer.default_root_dir>/checkpoints`` (``--no_poros_checkpoint``: none). ``fit --resume auto`` resumes
+        from the newest checkpoint there if there is one, else starts fresh and says so (naming a Lightning
+        ``.ckpt`` it found, and how to use it); ``fit --resume DIR`` resumes from the newest checkpoint under ``DIR``
+        (it must hold one).
         """
 
         def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs: Any) -> None:
@@ -106,6 +142,18 @@ def _make_cli_class() -> type:
             )
 
         @override
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            # LightningCLI warns when `args` is given while sys.argv holds arguments too, in case a script mixed
+            # them up. Here `args` is deliberate: `main` passes sys.argv[1:] with shipped config names resolved, and
+            # `run_demo` its own list inside the `demo` command. So `args` alone is parsed, with no warning.
+            from jsonargparse import Namespace
+
+            if isinstance(args, (dict, Namespace)):
+                self.config = parser.parse_object(args)
+            else:
+                self.config = parser.parse_args(sys.argv[1:] if args is None else args)
+
+        @override
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults(
                 {
@@ -120,14 +168,38 @@ def _make_cli_class() -> type:
                 help="Directory to write the PEFT adapter (adapter_config.json + safetensors) to after fit.",
             )
             parser.add_argument(
+                "--poros_checkpoint",
+                action=ActionYesNo,
+                default=True,
+                help="fit only. Write exact-resume checkpoints (PorosCheckpoint: every 100 steps and at the end) to "
+                "<trainer.default_root_dir>/checkpoints, unless the config has a PorosCheckpoint of its own. "
+                "--no_poros_checkpoint (poros_checkpoint: false in the config): none.",
+            )
+            parser.add_argument(
                 "--resume",
                 type=str | None,
                 default=None,
                 help="fit only. 'auto': resume from the newest checkpoint in the PorosCheckpoint dirpath if there is "
-                "one, else start fresh. DIR: resume from the newest checkpoint under DIR (it must hold one). A "
-                "PorosCheckpoint in the config keeps writing to its dirpath; without one, one is added writing to DIR "
-                "(or 'checkpoints' for auto).",
+                "one, else start fresh (and say so). DIR: resume from the newest checkpoint under DIR (it must hold "
+                "one), and keep writing there unless the config has a PorosCheckpoint.",
             )
+
+        @override
+        def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+            # PorosProgressBar unless the config turns the bar off or brings its own.
+            from lightning.pytorch.callbacks import ProgressBar
+
+            from poros_lightning.lightning.progress import PorosProgressBar
+
+            config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+            trainer = {**config.get("trainer", {}), **kwargs}
+            callbacks = trainer.get("callbacks") or []
+            callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+            if trainer.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBar) for c in callbacks
+            ):
+                kwargs["callbacks"] = [*callbacks, PorosProgressBar()]
+            return super().instantiate_trainer(**kwargs)
 
         @override
         def before_instantiate_classes(self) -> None:
@@ -136,31 +208,15 @@ def _make_cli_class() -> type:
 
         @override
         def before_fit(self) -> None:
-            adapter_dir = self.config[self.subcommand].get("save_adapter")
+            config = self.config[self.subcommand]
+            adapter_dir = config.get("save_adapter")
             if adapter_dir:
                 from poros_lightning.lightning.callbacks import SaveAdapter
 
                 self.trainer.callbacks.append(SaveAdapter(adapter_dir))
-            if self._resume is not None:
-                self._install_resume(self._resume)
+            from poros_lightning.lightning.resume import install_poros_checkpoint
 
-        def _install_resume(self, resume: bool | Path) -> None:
-            """Point the config's PorosCheckpoint at ``resume``, or add one that resumes and keeps writing."""
-            from poros_lightning.lightning.checkpoint import PorosCheckpoint
-
-            found = [c for c in self.trainer.callbacks if isinstance(c, PorosCheckpoint)]
-            if len(found) > 1:
-                raise PorosConfigError(
-                    f"--resume is ambiguous: the config has {len(found)} PorosCheckpoint callbacks "
-                    f"({', '.join(str(c.dirpath) for c in found)}).",
-                    "Keep one PorosCheckpoint in trainer.callbacks.",
-                )
-            value = True if resume is True else str(resume)
-            if found:
-                found[0].resume = value
-            else:
-                dirpath = "checkpoints" if resume is True else resume
-                self.trainer.callbacks.append(PorosCheckpoint(dirpath=dirpath, resume=value))
+            install_poros_checkpoint(self.trainer, self._resume, enabled=config.get("poros_checkpoint", True))
 
     _PorosCLI.__name__ = _PorosCLI.__qualname__ = "PorosCLI"
     _PorosCLI.__module__ = __name__
@@ -169,6 +225,9 @@ def _make_cli_class() -> type:
 
 @functools.cache
 def _cli_class() -> type:
+    from poros_lightning import _register
+
+    _register()  # the console script skips it at import (see poros_lightning._light_import)
     return _make_cli_class()
 
 
@@ -343,7 +402,7 @@ def run_demo(
     adapter saved to ``<run_dir>/adapter`` and (with matplotlib) the loss curve to ``<run_dir>/loss.png``.
 
     Args:
-        config: a LightningCLI YAML (``configs/demo.yaml`` by default).
+        config: a LightningCLI YAML, or a shipped config's name (``demo``, the default; ``tiny-cpu``).
         run_dir: directory for logs, checkpoints, the adapter and the plot.
         max_steps: overrides ``trainer.max_steps``.
         num_samples: held-out prompts to answer.
@@ -353,9 +412,7 @@ def run_demo(
     """
     say = progress or (lambda _: None)
     start = time.perf_counter()
-    config = Path(config)
-    if not config.is_file():
-        raise PorosError(f"Demo config {str(config)!r} does not exist.", "Pass --config with a LightningCLI YAML.")
+    config = resolve_config(config)
     run_dir = Path(run_dir)
     args = ["--config", str(config), f"--trainer.default_root_dir={run_dir}", *(extra_args or [])]
     if max_steps is not None:
@@ -425,7 +482,11 @@ def _demo_main(argv: list[str]) -> int:
         prog="poros-lightning demo",
         description="Fine-tune SmolLM2-135M-Instruct on the bundled data (CPU, a few minutes) and show the change.",
     )
-    parser.add_argument("--config", default=str(DEFAULT_DEMO_CONFIG), help="LightningCLI YAML (default: %(default)s)")
+    parser.add_argument(
+        "--config",
+        default=str(DEFAULT_DEMO_CONFIG),
+        help="LightningCLI YAML: a path or a shipped config's name, e.g. tiny-cpu (default: %(default)s)",
+    )
     parser.add_argument("--run-dir", default="runs/demo", help="output directory (default: %(default)s)")
     parser.add_argument("--max-steps", type=int, default=None, help="override trainer.max_steps")
     parser.add_argument("--samples", type=int, default=2, help="held-out prompts to answer (default: %(default)s)")
@@ -448,9 +509,9 @@ def _demo_main(argv: list[str]) -> int:
 
 def _tool_main(command: str) -> Any:
     try:
-        module = importlib.import_module(f"poros_lightning.tools.{command}")
+        module = importlib.import_module(_TOOLS[command])
     except ModuleNotFoundError as err:
-        if err.name != f"poros_lightning.tools.{command}":
+        if err.name != _TOOLS[command]:
             raise
         module = None
     tool = getattr(module, "main", None)
@@ -462,20 +523,43 @@ def _tool_main(command: str) -> Any:
     return tool
 
 
+def format_help() -> str:
+    """``poros-lightning --help``: the commands and the shipped configs, printed without importing torch."""
+    width = max(len(name) for name, _ in _COMMANDS)
+    lines = ["usage: poros-lightning COMMAND [options]   (poros-lightning COMMAND --help for its options)", ""]
+    lines += ["QLoRA fine-tuning of large Hugging Face causal LMs with the frozen NF4 base streamed from host RAM.", ""]
+    lines += ["commands:"] + [f"  {name:<{width}}  {text}" for name, text in _COMMANDS]
+    lines += ["", "shipped configs (--config NAME works from any folder):"]
+    for kind, command in (("", "fit"), ("bench", "bench run"), ("parity", "parity --config")):
+        lines.append(f"  {command + ':':<16} {', '.join(bundled_configs(kind))}")
+    lines += ["", "e.g. poros-lightning fit --config tiny-cpu      (a tiny random model on the CPU, in seconds)"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``poros-lightning`` console script; returns the exit status."""
+    """Entry point of the ``poros-lightning`` console script; returns the exit status.
+
+    Only the Lightning commands (fit, validate, test, predict) and ``demo`` import Lightning; ``--help`` and the
+    tools answer without it.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     command = args[0] if args else None
     try:
+        if command in (None, "-h", "--help"):
+            print(format_help(), file=sys.stdout if command else sys.stderr)
+            return 0 if command else 2
+        if command == "--version":
+            from poros_lightning import __version__
+
+            print(f"poros-lightning {__version__}")
+            return 0
         if command in _TOOLS:
             return int(_tool_main(command)(args[1:]) or 0)
-        if command == "demo":
-            return _demo_main(args[1:])
-        import poros_lightning  # noqa: F401  (registers the "poros" strategy with Lightning)
-
-        # LightningCLI reads sys.argv itself when no argv is given (it warns when given both).
-        _cli_class()(args=None if argv is None else args)
-        return 0
+        with logs_on_stderr():
+            if command == "demo":
+                return _demo_main(args[1:])
+            _cli_class()(args=resolve_config_args(args))
+            return 0
     except Exception as err:
         # jsonargparse wraps errors raised while instantiating a class_path in a ValueError: report ours plainly.
         cause = _poros_cause(err)

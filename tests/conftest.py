@@ -103,3 +103,14 @@ def tiny_cfg() -> dict:
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest resets the warning filters around each test, dropping those `import poros_lightning` installed
+    # (poros_lightning._quiet): give it the same ones, so tests see what a user sees.
+    import re
+
+    from poros_lightning import _quiet
+
+    for message, category in _quiet.WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:{re.escape(message)}:{category.__name__}")

@@ -14,8 +14,6 @@ import yaml
 
 from poros_lightning.cli import format_demo, main, run_demo
 
-pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
-
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 
@@ -35,16 +33,29 @@ def bad_config(tmp_path: Path, edit) -> Path:
     return path
 
 
+# Third-party output a user cannot act on (poros_lightning._quiet), and Lightning's warning about its own CLI usage.
+NOISE = (
+    "FutureWarning",
+    "💡 Tip",
+    "tensorboardX",
+    "LeafSpec",
+    "args parameter",
+    "Failed to load CPU gemm_4bit_forward",
+)
+
+
 def test_fit_tiny_cpu_config_end_to_end(tmp_path: Path) -> None:
     result = run_cli(
         "fit",
         "--config",
-        str(TINY),
+        "tiny-cpu",  # a shipped config, by name
         f"--trainer.default_root_dir={tmp_path}",
         "--trainer.max_steps=2",
         "--trainer.limit_val_batches=1",
         "--save_adapter",
         str(tmp_path / "a"),
+        "--resume",
+        "auto",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -53,6 +64,12 @@ def test_fit_tiny_cpu_config_end_to_end(tmp_path: Path) -> None:
     assert state and all(".lora_A." in k or ".lora_B." in k for k in state)
     assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["r"] == 8
     assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").is_file()
+    # Exact-resume checkpoints by default, under default_root_dir; --resume auto said it found none.
+    assert (tmp_path / "checkpoints" / "step-2" / "adapter.safetensors").is_file()
+    assert f"--resume auto: no PorosCheckpoint checkpoint in {tmp_path / 'checkpoints'}" in result.stderr
+    assert "starting a fresh run" in result.stderr
+    noise = [n for n in NOISE if n in result.stderr]
+    assert not noise, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -120,9 +137,57 @@ def test_tools_dispatch_and_missing_tools_are_named(monkeypatch, capsys: pytest.
     with pytest.raises(SystemExit) as exit_info:
         main(["check", "--help"])
     assert exit_info.value.code == 0 and "poros-lightning check" in capsys.readouterr().out
-    monkeypatch.setitem(sys.modules, "poros_lightning.tools.export", None)  # as if the module were not shipped
+    monkeypatch.setitem(sys.modules, "poros_lightning.tools.export_cli", None)  # as if the module were not shipped
     assert main(["export"]) == 1
     assert "'poros-lightning export' is not available in this build" in capsys.readouterr().err
+
+
+HEAVY = ("torch", "lightning", "transformers", "peft", "bitsandbytes")
+TOOL_HELP = (["--help"], ["check", "--help"], ["doctor", "--help"], ["export", "--help"], ["bench", "--help"],
+             ["bench", "run", "--help"], ["parity", "--help"], ["demo", "--help"], ["--version"])  # fmt: skip
+
+
+def test_help_and_the_tools_help_import_no_torch(tmp_path: Path) -> None:
+    """``--help`` and every non-training command's ``--help`` answer without importing torch or Lightning."""
+    # As the console script runs: sys.argv[0] is the script `poros-lightning` when the package is imported.
+    code = (
+        "import sys; sys.argv = ['/venv/bin/poros-lightning']\n"
+        "from poros_lightning.cli import main\n"
+        f"for args in {TOOL_HELP!r}:\n"
+        "    try:\n"
+        "        assert main(args) == 0, args\n"
+        "    except SystemExit as exit:\n"
+        "        assert exit.code == 0, args\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "[]", out.stderr[-2000:]
+    assert "poros-lightning COMMAND" in out.stdout and "qwen2.5-7b" in out.stdout  # the commands and shipped configs
+    # `python -m poros_lightning.cli --help`: the module path (the package is imported while sys.argv[0] is "-m").
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "poros_lightning.cli", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and "commands:" in result.stdout, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import")}
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_a_library_import_registers_the_strategies(tmp_path: Path) -> None:
+    """Outside the console script, ``import poros_lightning`` registers "poros" for ``Trainer(strategy="poros")``."""
+    code = (
+        "import poros_lightning\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print('poros' in StrategyRegistry, 'poros_ddp' in StrategyRegistry)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
 
 
 def test_importing_the_cli_for_check_does_not_import_torch(tmp_path: Path) -> None:

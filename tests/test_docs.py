@@ -123,3 +123,13 @@ def test_readme_table_numbers_come_from_artifacts() -> None:
 
 def test_number_check_rejects_a_made_up_value() -> None:
     assert "123.456" not in _renderings()
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    """CI installs nothing the README does not: a newcomer following the README gets what CI tested."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    (command,) = [line.strip() for line in readme if line.startswith("    ") and "-m pytest" in line]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci
+    installs = [line for line in ci if "pip install" in line and not line.startswith("#")]
+    assert installs == [command], f".ci/run installs what the README does not say: {installs}"

@@ -62,3 +62,13 @@ def test_doctor_on_gpu(capsys):
     assert bandwidth is not None and "GB/s" in bandwidth.value
     assert main([]) in (0, 1)
     assert "GPU 0" in capsys.readouterr().out
+
+
+def test_versions_keep_the_local_build_tag(monkeypatch):
+    # `+cu130` vs `+cpu` tells a CUDA build of torch from a CPU one; the distribution metadata drops it.
+    monkeypatch.setattr(doctor_module, "_dist_version", lambda name: "2.0.0")
+    monkeypatch.setattr(doctor_module, "_dist_requires", lambda: [])
+    monkeypatch.setattr(torch, "__version__", "2.0.0+cu999")
+    assert doctor_module._package_item("torch", "torch").value == "2.0.0+cu999"
+    monkeypatch.setattr(torch, "__version__", "2.1.0")  # not an extension of the metadata's version: keep that one
+    assert doctor_module._package_item("torch", "torch").value == "2.0.0"

@@ -16,7 +16,8 @@ from conftest import ALL_LINEAR, build_peft_model, tiny_config, train_loop
 
 from poros_lightning.errors import PorosConfigError
 from poros_lightning.quant import bnb, is_4bit_linear
-from poros_lightning.tools.export import export, main, parse_size
+from poros_lightning.tools.export import export, parse_size
+from poros_lightning.tools.export_cli import main
 from poros_lightning.training.adapter import TRAINING_INFO, TrainingInfo, read_lora, save_adapter
 
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(9))

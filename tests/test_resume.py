@@ -4,6 +4,7 @@ write leaves the previous checkpoint loadable; a mismatched resume is refused.""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,9 +21,17 @@ from safetensors.torch import load_file
 
 import poros_lightning.lightning.checkpoint as ckpt_mod
 from poros_lightning.cli import main
-from poros_lightning.errors import ResumeMismatchError
-from poros_lightning.lightning.checkpoint import check_identity, load_checkpoint, load_latest, write_checkpoint
-from poros_lightning.training.resumable import ResumableDataLoader, ResumableSampler
+from poros_lightning.errors import PorosConfigError, ResumeMismatchError
+from poros_lightning.lightning.checkpoint import (
+    PorosCheckpoint,
+    ResumableDataLoader,
+    ResumableSampler,
+    check_identity,
+    load_checkpoint,
+    load_latest,
+    write_checkpoint,
+)
+from poros_lightning.lightning.resume import install_poros_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 6  # 3 batches an epoch: a kill after step 2, 3 or 4 resumes mid-epoch, at its end, or past it
@@ -95,22 +105,23 @@ def _assert_same_state(ref: Path, got: Path) -> None:
     assert [load_checkpoint(got).meta[k] for k in position] == [load_checkpoint(ref).meta[k] for k in position]
 
 
-@pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter", "ignore:.*does not have many workers")
+@pytest.mark.filterwarnings("ignore:.*does not have many workers")
 @pytest.mark.parametrize("stop_at", [2, 4], ids=["mid-epoch-0", "mid-epoch-1"])
 def test_resume_auto_with_loader_workers_is_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int
 ) -> None:
     # Validation after batch 2 of each epoch: its persistent workers are seeded once per run, by the first validation.
     validate = ["--trainer.limit_val_batches=1", "--trainer.val_check_interval=2"]
-    # Without a PorosCheckpoint in the config, --resume auto adds one writing ./checkpoints every 100 steps: the
-    # checkpoint at `stop_at` is the one written when training ends (Note: [end of training]).
+    # Without a PorosCheckpoint in the config, `fit` adds one writing <default_root_dir>/checkpoints every 100 steps:
+    # the checkpoint at `stop_at` is the one written when training ends (Note: [end of training]).
     monkeypatch.chdir(tmp_path)
     assert main(["fit", "--config", str(_config(tmp_path, "ref", num_workers=2)), *validate]) == 0  # uninterrupted
     run = str(_config(tmp_path, "run", checkpoint=False, num_workers=2))
     assert main(["fit", "--config", run, *validate, f"--trainer.max_steps={stop_at}", "--resume", "auto"]) == 0
-    assert _latest_step(tmp_path / "checkpoints") == stop_at  # nothing to resume from: it started fresh
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert _latest_step(checkpoints) == stop_at  # nothing to resume from: it started fresh
     assert main(["fit", "--config", run, *validate, "--resume", "auto"]) == 0
-    _assert_same_state(tmp_path / "ref" / "ckpt" / f"step-{MAX_STEPS}", tmp_path / "checkpoints" / f"step-{MAX_STEPS}")
+    _assert_same_state(tmp_path / "ref" / "ckpt" / f"step-{MAX_STEPS}", checkpoints / f"step-{MAX_STEPS}")
 
 
 # ------------------------------------------------------------------------------------------------ atomicity
@@ -205,3 +216,62 @@ def test_resumable_loader_continues_the_same_order() -> None:
     state = torch.get_rng_state()
     list(ResumableSampler(10, seed=0))
     assert torch.equal(state, torch.get_rng_state())  # the shuffle draws nothing from the global RNG
+
+
+# ------------------------------------------------------------------------------------------------ CLI defaults
+
+
+def _trainer(root: Path, *callbacks: object) -> SimpleNamespace:
+    """What install_poros_checkpoint reads of a Trainer."""
+    return SimpleNamespace(callbacks=list(callbacks), default_root_dir=str(root), loggers=[])
+
+
+def test_fit_checkpoints_by_default_and_can_opt_out(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path)
+    callback = install_poros_checkpoint(trainer, None)
+    assert trainer.callbacks == [callback] and callback.dirpath == tmp_path / "checkpoints" and not callback.resume
+    own = PorosCheckpoint(tmp_path / "mine")
+    trainer = _trainer(tmp_path, own)
+    assert install_poros_checkpoint(trainer, True) is own and own.resume is True and trainer.callbacks == [own]
+    trainer = _trainer(tmp_path)
+    assert install_poros_checkpoint(trainer, None, enabled=False) is None and trainer.callbacks == []
+    with pytest.raises(PorosConfigError, match="--no_poros_checkpoint turns them off"):
+        install_poros_checkpoint(_trainer(tmp_path), True, enabled=False)
+
+
+def test_resume_auto_says_it_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="poros_lightning"):
+        install_poros_checkpoint(_trainer(tmp_path), True)
+    checkpoints = tmp_path / "checkpoints"
+    expected = (
+        f"--resume auto: no PorosCheckpoint checkpoint in {checkpoints} and no Lightning .ckpt: starting a fresh run"
+    )
+    assert expected in caplog.text
+
+
+def test_resume_auto_with_only_a_lightning_ckpt_says_how_to_use_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / "epoch=0-step=1.ckpt").write_bytes(b"")
+    newer = tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "epoch=0-step=2.ckpt"
+    newer.parent.mkdir(parents=True)
+    newer.write_bytes(b"")
+    os.utime(newer, (time.time() + 10, time.time() + 10))
+    with caplog.at_level(logging.INFO, logger="poros_lightning"):
+        install_poros_checkpoint(_trainer(tmp_path), True)
+    assert f"only the Lightning checkpoint {newer} (and 1 older): starting a fresh run" in caplog.text
+    assert f"--ckpt_path {newer} in place of --resume auto" in caplog.text
+    assert "not bit-exact" in caplog.text
+
+
+def test_resume_auto_names_the_checkpoint_it_resumes_from(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_checkpoint(tmp_path / "checkpoints", 3, _files(3))
+    with caplog.at_level(logging.INFO, logger="poros_lightning"):
+        install_poros_checkpoint(_trainer(tmp_path), True)
+    assert f"resuming exactly from the PorosCheckpoint {tmp_path / 'checkpoints' / 'step-3'}" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="poros_lightning"):
+        install_poros_checkpoint(_trainer(tmp_path), None)  # a fresh run into a folder holding an earlier run's
+    assert "holds checkpoints of an earlier run (newest: step-3)" in caplog.text and "--resume auto" in caplog.text

@@ -7,17 +7,22 @@ Invariant: while attached, every streamed tensor of layer ``j`` is a view into t
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from poros_lightning._logging import log_count
 from poros_lightning.engine.block import LayerStreamer
 from poros_lightning.engine.offload import InputOffload
 from poros_lightning.engine.slots import SlotRing, rebind
 from poros_lightning.engine.store import ArenaFactory, HostStore, Layout
 from poros_lightning.errors import PorosConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EngineOptions", "StreamingEngine", "move_resident"]
 
@@ -141,9 +146,11 @@ class StreamingEngine:
             resident=self.options.resident_blocks,
         )
         streamed = {id(getattr(o, a)) for r in refs for o, a in r}
+        start = time.perf_counter()
         for block in range(len(self.store)):
             self.store.fill(block)
             self.ring.bind(block)  # drops the last reference to the original tensors
+            log_count(log, "poros: copying blocks into the host store", block + 1, len(self.store), start)
         for layer in self.layers:
             move_resident(layer, self.device, streamed)
         self.streamer = LayerStreamer(

@@ -9,13 +9,18 @@ weight is on), and tells the engine which tensors of a quantized layer are the f
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from poros_lightning._logging import log_count
 from poros_lightning.errors import PorosConfigError, PorosError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "QUANTIZATIONS",
@@ -115,7 +120,8 @@ def quantize_model(
         return model
     quant_type, double_quant = _MODES[quantization]
     lib = bnb()
-    for name in _linear_names(model, skip):
+    names, start = list(_linear_names(model, skip)), time.perf_counter()
+    for done, name in enumerate(names, start=1):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old: nn.Linear = getattr(parent, child)
@@ -141,6 +147,7 @@ def quantize_model(
         new.support_avx512bf16_for_cpu = False
         new.train(old.training)
         setattr(parent, child, new)
+        log_count(log, f"poros: quantizing linear layers to {quantization}", done, len(names), start, min_total=64)
     return model
 
 

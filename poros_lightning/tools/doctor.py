@@ -85,6 +85,18 @@ def _dist_requires() -> list[str]:
         return []
 
 
+def _full_version(module: str, version: str | None) -> str | None:
+    """The module's own ``__version__`` where it extends the distribution's with a local build tag.
+
+    ``torch.__version__`` is ``2.14.1+cu130`` or ``2.14.1+cpu`` while its metadata says ``2.14.1``: the tag tells
+    a CUDA build from a CPU one, which is what a user needs to know.
+    """
+    own = getattr(sys.modules.get(module), "__version__", None)
+    if isinstance(own, str) and version and own.startswith(version + "+"):
+        return str(own)
+    return version
+
+
 def _package_item(dist: str, module: str, *, required: bool = True) -> DoctorItem:
     version = _dist_version(dist)
     try:
@@ -94,7 +106,7 @@ def _package_item(dist: str, module: str, *, required: bool = True) -> DoctorIte
         if version is None:
             return DoctorItem(dist, "not installed", "error" if required else "info", hint)
         return DoctorItem(dist, f"{version}, fails to import: {type(err).__name__}: {err}", "error", hint)
-    value = version or "installed (version unknown)"
+    value = _full_version(module, version) or "installed (version unknown)"
     if version:
         wanted = _requirement_problem(dist, version)
         if wanted:

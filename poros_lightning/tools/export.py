@@ -18,14 +18,11 @@ Note: [what "nf4" merges into]
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import resource
 import shutil
-import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +30,8 @@ from typing import Any
 import torch
 
 from poros_lightning import quant
-from poros_lightning.errors import PorosConfigError, PorosError
+from poros_lightning.errors import PorosConfigError
+from poros_lightning.tools.export_spec import MERGE_INTO
 from poros_lightning.tools.safetensors_files import (
     ShardWriter,
     TensorEntry,
@@ -51,10 +49,8 @@ from poros_lightning.tools.safetensors_files import (
 )
 from poros_lightning.training.adapter import TRAINING_INFO, LoraFactors, TrainingInfo, read_lora
 
-__all__ = ["DTYPES", "MERGE_INTO", "ExportResult", "export", "format_result", "main", "parse_size", "peak_rss_bytes"]
+__all__ = ["DTYPES", "MERGE_INTO", "ExportResult", "export", "format_result", "parse_size", "peak_rss_bytes"]
 
-MERGE_INTO: tuple[str, ...] = ("nf4", "original")
-"""What the update is added to: the dequantized base the adapter trained against, or the original weights."""
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -380,53 +376,3 @@ def format_result(result: ExportResult) -> str:
         f"Wrote {result.out_dir}: {result.tensors} tensors, {result.total_bytes / 1e9:.2f} GB {result.dtype} in "
         f"{result.shards} file(s), {result.seconds:.1f} s, peak host RSS {result.peak_rss_bytes / 2**30:.2f} GiB."
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``poros-lightning export ADAPTER_DIR --base MODEL -o OUT_DIR [options]``; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="poros-lightning export",
-        description="Merge a LoRA adapter into its base and write a sharded safetensors Hugging Face checkpoint.",
-    )
-    parser.add_argument("adapter_dir", help="PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
-    parser.add_argument("--base", required=True, help="base model: local directory or hub id in the local cache")
-    parser.add_argument("-o", "--output", required=True, help="output directory")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="output dtype")
-    parser.add_argument(
-        "--merge-into",
-        default="nf4",
-        choices=MERGE_INTO,
-        help="nf4: the dequantized quantized base the adapter was trained against (default); original: the "
-        "base checkpoint's own weights",
-    )
-    parser.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
-    parser.add_argument(
-        "--device",
-        default=None,
-        help="device for the nf4 quantize/dequantize (default: where training quantized, else cpu)",
-    )
-    parser.add_argument("--force", action="store_true", help="replace an existing non-empty output directory")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON line instead")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    result = export(
-        args.adapter_dir,
-        args.base,
-        args.output,
-        dtype=args.dtype,
-        merge_into=args.merge_into,
-        max_shard_size=args.max_shard_size,
-        progress=not args.no_progress,
-        force=args.force,
-        device=args.device,
-    )
-    print(json.dumps(result.to_dict()) if args.json else format_result(result))
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except PorosError as err:
-        print(f"poros-lightning export: error: {err}", file=sys.stderr)
-        sys.exit(1)

@@ -14,8 +14,10 @@ RNG except the model's own random init (callers seed); the returned model is in 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +55,8 @@ ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa")
 """Attention kernels a base can be built with; ``eager`` is deterministic on every device."""
 
 _SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -92,6 +96,8 @@ def smollm2_dir(cache: str | Path | None = None) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{_SMOLLM2_CACHE_NAME}-", dir=target.parent))
+    log.info("poros: converting the bundled SmolLM2 GGUF to safetensors in %s (once; later runs load it)", target)
+    start = time.perf_counter()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent,
@@ -110,6 +116,7 @@ def smollm2_dir(cache: str | Path | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    log.info("poros: converted SmolLM2 in %.0f s", time.perf_counter() - start)
     return target
 
 

@@ -34,9 +34,12 @@ _BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
 
 def load_bench_config(path: str | Path) -> dict[str, Any]:
-    """Read and validate a bench YAML file."""
+    """Read and validate a bench YAML file: a path, or a shipped bench config's name (``qwen2.5-7b``)."""
+    from poros_lightning.training.assets.configs import resolve_config
+
+    path = resolve_config(path, "bench")
     try:
-        cfg = yaml.safe_load(Path(path).read_text()) or {}
+        cfg = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
         raise PorosConfigError(f"Cannot read bench config {str(path)!r}: {err}", "Pass a readable YAML file.") from err
     unknown = set(cfg) - _KEYS
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="poros-lightning bench", description="Benchmarks: run them, report them.")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a bench YAML (see configs/bench/) and append JSONL rows")
-    run.add_argument("config")
+    run.add_argument("config", help="bench YAML: a path, or a shipped config's name (e.g. qwen2.5-7b)")
     run.add_argument("--out", help="JSONL file to append to (overrides the YAML's `out`)")
     run.add_argument("--steps", type=int, help="timed steps (overrides the YAML)")
     run.add_argument("--runs", nargs="+", metavar="NAME", help="only the runs of these names (default: all)")

@@ -147,7 +147,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     probe = "from poros_lightning.tools.export import peak_rss_bytes; print(peak_rss_bytes())"
     import_rss = int(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout)
-    cmd = [sys.executable, "-m", "poros_lightning.tools.export", str(adapter), "--base", str(base), "-o", str(out)]
+    cmd = [sys.executable, "-m", "poros_lightning.tools.export_cli", str(adapter), "--base", str(base), "-o", str(out)]
     cmd += ["--merge-into", args.merge_into, "--dtype", args.dtype, "--max-shard-size", args.max_shard_size]
     done = subprocess.run([*cmd, "--force", "--no-progress", "--json"], env=env, capture_output=True, text=True)
     if done.returncode:

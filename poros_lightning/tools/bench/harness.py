@@ -170,6 +170,22 @@ def _step_loop(
     return times
 
 
+def _checkpointing(model: Any, *, enable: bool) -> None:
+    """Hugging Face activation checkpointing (non-reentrant) on or off, under transformers' current names.
+
+    transformers 5.x renamed ``gradient_checkpointing_*`` to ``activation_checkpointing_*`` (the old names warn);
+    older releases have only the old ones.
+    """
+    if enable:
+        new, kwargs = getattr(model, "activation_checkpointing_enable", None), {"use_reentrant": False}
+        if new is not None:
+            new(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
 def bench_methods(
     config: dict[str, Any],
     runs: list[dict[str, Any]],
@@ -259,7 +275,7 @@ def bench_methods(
             memory_cap = memory_cap or parse_bytes(run["vram_budget"]) / 1e9
             planned = {"vram_budget": run["vram_budget"], "plan": list(plan.explanation)}
         if method == "resident_gc":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _checkpointing(model, enable=True)
             model.enable_input_require_grads()
         elif method == "poros":
             prepare(model, device=device, **engine_opts)
@@ -356,7 +372,7 @@ def bench_methods(
             if device == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)
             if method == "resident_gc":
-                model.gradient_checkpointing_disable()
+                _checkpointing(model, enable=False)
             elif method == "poros":
                 unprepare(model, device=device)
             gc.collect()

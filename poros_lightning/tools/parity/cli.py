@@ -36,9 +36,12 @@ BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
 
 def load_parity_config(path: str | Path) -> dict[str, Any]:
-    """Read and validate a parity YAML file."""
+    """Read and validate a parity YAML file: a path, or a shipped parity config's name (``qwen2.5-7b``)."""
+    from poros_lightning.training.assets.configs import resolve_config
+
+    path = resolve_config(path, "parity")
     try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
         raise PorosConfigError(f"Cannot read parity config {str(path)!r}: {err}", "Pass a readable YAML file.") from err
     unknown = set(raw) - _KEYS
@@ -61,7 +64,11 @@ def load_parity_config(path: str | Path) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poros-lightning parity", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="parity YAML (see configs/parity/)")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="parity YAML: a path, or a shipped config's name (e.g. qwen2.5-7b, see configs/parity/)",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps per run (overrides the YAML)")
     p.add_argument("--modes", nargs="+", choices=MODES, help="modes to gate (overrides the YAML)")
     p.add_argument("--block-sizes", type=int, nargs="+", help="block sizes to gate (overrides the YAML)")
