@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import poros_lightning.lightning.checkpoint as ckpt_mod
+import poros_lightning.lightning.checkpoint_files as ckpt_files
 from poros_lightning.cli import main
 from poros_lightning.errors import PorosConfigError, ResumeMismatchError
 from poros_lightning.lightning.checkpoint import (
@@ -142,7 +142,7 @@ def _files(step: int) -> dict:
 
 def test_interrupted_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_checkpoint(tmp_path, 1, _files(1))
-    real = ckpt_mod._write_tensors
+    real = ckpt_files._write_tensors
 
     def crash_on_rng(path: Path, tensors: dict) -> None:
         if path.name == "rng.safetensors":
@@ -150,7 +150,7 @@ def test_interrupted_write_leaves_the_previous_checkpoint(tmp_path: Path, monkey
             raise OSError("disk full")
         real(path, tensors)
 
-    monkeypatch.setattr(ckpt_mod, "_write_tensors", crash_on_rng)
+    monkeypatch.setattr(ckpt_files, "_write_tensors", crash_on_rng)
     with pytest.raises(OSError, match="disk full"):
         write_checkpoint(tmp_path, 2, _files(2))
     assert (tmp_path / "step-2.tmp").is_dir() and not (tmp_path / "step-2").exists()

@@ -239,7 +239,8 @@ def test_optimizer_state_on_host_is_checkpointed(reference: Recorder, tmp_path) 
     """The moments wait as views of one flat host buffer; a safetensors checkpoint still writes them."""
     from safetensors.torch import load_file
 
-    from poros_lightning.lightning.checkpoint import _optimizer_files, _write_tensors
+    from poros_lightning.lightning.checkpoint import _optimizer_files
+    from poros_lightning.lightning.checkpoint_files import _write_tensors
 
     strategy = PorosStrategy(optimizer_on_host=True)
     _assert_equal(reference, _fit(strategy))
