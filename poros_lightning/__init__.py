@@ -88,13 +88,9 @@ def __getattr__(name: str) -> object:
 
 def _register() -> None:
     """Register ``"poros"`` and ``"poros_ddp"`` with Lightning's strategy registry (idempotent)."""
-    from lightning.pytorch.strategies import StrategyRegistry
+    from poros_lightning.lightning.lightning_cli import register_strategies
 
-    from poros_lightning.lightning.ddp import PorosDDPStrategy
-    from poros_lightning.lightning.strategy import PorosStrategy
-
-    PorosStrategy.register_strategies(StrategyRegistry)
-    PorosDDPStrategy.register_strategies(StrategyRegistry)
+    register_strategies()
 
 
 if not _light_import():

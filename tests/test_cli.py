@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from poros_lightning.cli import format_demo, main, run_demo
+from poros_lightning.cli import main
+from poros_lightning.tools.demo import format_demo, run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from poros_lightning.cli import DEFAULT_DEMO_CONFIG
 from poros_lightning.errors import PorosConfigError
+from poros_lightning.tools.demo import DEFAULT_DEMO_CONFIG
 from poros_lightning.training.assets.configs import bundled_configs, configs_dir, resolve_config, resolve_config_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +95,7 @@ def test_an_installed_wheel_ships_the_configs(tmp_path: Path) -> None:
     assert installed.returncode == 0, installed.stderr[-3000:]
     code = (
         "import json, sys\n"
-        "from poros_lightning.cli import DEFAULT_DEMO_CONFIG\n"
+        "from poros_lightning.tools.demo import DEFAULT_DEMO_CONFIG\n"
         "from poros_lightning.training.assets import tiny_instruct_path\n"
         "from poros_lightning.training.assets.configs import resolve_config, resolve_config_args\n"
         "import poros_lightning\n"
