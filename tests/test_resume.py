@@ -22,15 +22,9 @@ from safetensors.torch import load_file
 import poros_lightning.lightning.checkpoint_files as ckpt_files
 from poros_lightning.cli import main
 from poros_lightning.errors import PorosConfigError, ResumeMismatchError
-from poros_lightning.lightning.checkpoint import (
-    PorosCheckpoint,
-    ResumableDataLoader,
-    ResumableSampler,
-    check_identity,
-    load_checkpoint,
-    load_latest,
-    write_checkpoint,
-)
+from poros_lightning.lightning.checkpoint import PorosCheckpoint, check_identity, load_checkpoint, load_latest
+from poros_lightning.lightning.checkpoint_files import write_checkpoint
+from poros_lightning.training.resumable import ResumableDataLoader, ResumableSampler
 from poros_lightning.lightning.resume import install_poros_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
