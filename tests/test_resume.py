@@ -24,8 +24,8 @@ from poros_lightning.cli import main
 from poros_lightning.errors import PorosConfigError, ResumeMismatchError
 from poros_lightning.lightning.checkpoint import PorosCheckpoint, check_identity, load_checkpoint, load_latest
 from poros_lightning.lightning.checkpoint_files import write_checkpoint
-from poros_lightning.training.resumable import ResumableDataLoader, ResumableSampler
 from poros_lightning.lightning.resume import install_poros_checkpoint
+from poros_lightning.training.resumable import ResumableDataLoader, ResumableSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_STEPS = 6  # 3 batches an epoch: a kill after step 2, 3 or 4 resumes mid-epoch, at its end, or past it
