@@ -159,3 +159,12 @@ def test_no_strategy_imports_a_tool() -> None:
     assert strategies
     for name in strategies:
         assert not {d for d in GRAPH[name] if d.startswith("poros_lightning.tools")}, name
+
+
+def test_pyproject_lists_every_package() -> None:
+    """pyproject.toml lists the packages (configs/ ships as poros_lightning.configs): a new folder must be added."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert listed == found | {"poros_lightning.configs"}
