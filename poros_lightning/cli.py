@@ -448,9 +448,9 @@ def _demo_main(argv: list[str]) -> int:
 
 def _tool_main(command: str) -> Any:
     try:
-        module = importlib.import_module(f"poros_lightning.{command}")
+        module = importlib.import_module(f"poros_lightning.tools.{command}")
     except ModuleNotFoundError as err:
-        if err.name != f"poros_lightning.{command}":
+        if err.name != f"poros_lightning.tools.{command}":
             raise
         module = None
     tool = getattr(module, "main", None)
