@@ -31,7 +31,16 @@ class PorosError(Exception):
 
 
 class PorosOOMError(PorosError, MemoryError):
-    """A block, a plan or a pinned allocation does not fit the memory available."""
+    """A block, a plan or a pinned allocation does not fit the memory available.
+
+    Attributes:
+        needed_bytes: the memory that would have fitted, in bytes, where the raiser knows it (the planner's
+            smallest plan); ``None`` otherwise.
+    """
+
+    def __init__(self, problem: str, hint: str | None = None, *, needed_bytes: int | None = None) -> None:
+        super().__init__(problem, hint)
+        self.needed_bytes = needed_bytes
 
 
 class UnsupportedArchitectureError(PorosError, ValueError):

@@ -10,7 +10,19 @@ import yaml
 from conftest import tiny_config
 
 from poros_lightning.errors import PorosConfigError
-from poros_lightning.tools.bench.cli import load_bench_config, main
+from poros_lightning.tools.bench.cli import load_bench_config, main, model_entries
+
+SWEEP_FIELDS = {
+    "vram_budget",
+    "planned_peak_gb",
+    "peak_vram_gb",
+    "peak_reserved_gb",
+    "oom",
+    "refused",
+    "s_per_step",
+    "scale",
+    "seq_len",
+}
 
 
 def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
@@ -51,6 +63,12 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
     assert rows["poros_min"]["head_loads_per_step"] == 2 and rows["poros_min"]["optimizer_on_host"]
     assert rows["poros"]["loads_per_step"] > 0 and "head_loads_per_step" not in rows["poros"]
     assert rows["poros_planned"]["plan"][-1].startswith("budget 4.00 GB")
+    assert rows["poros_planned"]["vram_budget"] == 4.0 and 0 < rows["poros_planned"]["planned_peak_gb"] <= 4.0
+    for r in rows.values():  # the fields a budget sweep plots, on every row
+        assert SWEEP_FIELDS <= set(r), SWEEP_FIELDS - set(r)
+        assert r["scale"] == "tiny" and r["seq_len"] == 16 and r["refused"] is False
+        assert r["peak_vram_gb"] is None and r["peak_reserved_gb"] is None  # CPU: no device peaks made up
+    assert rows["poros"]["vram_budget"] is None and rows["poros"]["planned_peak_gb"] is None
     assert rows["poros_planned"]["resident_blocks"] == 2  # a tiny model: all but the two ring blocks stay
     assert rows["poros_planned"]["keep_activations"] == 4  # and every layer keeps its activations
     assert rows["poros_keep"]["keep_activations"] == 4
@@ -200,3 +218,176 @@ def test_launch_probe_needs_cuda() -> None:
         pytest.skip("CPU-only check")
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         probe()
+
+
+def _rows(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+
+
+def test_a_refused_budget_is_a_row_and_the_bench_goes_on(tmp_path: Path) -> None:
+    from poros_lightning.memory.budget import minimum_budget
+
+    runs = [{"method": "poros", "name": "poros_1KB", "vram_budget": "1KB"}, {"method": "poros"}]
+    path = _one_step_config(tmp_path, runs=runs, scale="tiny")
+    assert main(["run", str(path)]) == 0
+    refused, ran = _rows(tmp_path)
+    assert refused["method"] == "poros_1KB" and refused["refused"] is True and refused["oom"] is False
+    assert refused["s_per_step"] is None and refused["planned_peak_gb"] is None and refused["vram_budget"] == 1e-6
+    assert refused["min_budget_gb"] == minimum_budget(tiny_config(), seq_len=8, lora_r=4) / 1e9 > 1e-6
+    assert "the budget is 1.00 kB" in refused["refusal"] and "plan" not in refused
+    assert SWEEP_FIELDS <= set(refused) and refused["scale"] == "tiny" and refused["seq_len"] == 8
+    assert ran["method"] == "poros" and ran["refused"] is False and ran["s_per_step"] > 0
+
+
+def test_a_run_out_of_device_memory_is_a_row_and_the_bench_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from poros_lightning.tools.bench import harness
+
+    step_loop, calls = harness._step_loop, []
+
+    def first_runs_out(*args: object, **kwargs: object) -> list[float]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory.")  # what the allocator raises past a memory cap
+        return step_loop(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "_step_loop", first_runs_out)
+    path = _one_step_config(
+        tmp_path, runs=[{"method": "poros", "name": "poros_8GB", "vram_budget": "8GB"}, {"method": "poros"}]
+    )
+    assert main(["run", str(path)]) == 0
+    oom, ran = _rows(tmp_path)
+    assert oom["oom"] is True and oom["refused"] is False and oom["s_per_step"] is None
+    assert oom["vram_budget"] == 8.0 and oom["planned_peak_gb"] > 0  # the plan that ran out
+    assert SWEEP_FIELDS <= set(oom)
+    assert ran["oom"] is False and ran["s_per_step"] > 0 and ran["loads_per_step"] > 0  # the engine unprepared
+
+
+def test_models_list_and_filters(tmp_path: Path) -> None:
+    """One config, several models; --models, --seq-lens and --runs pick the pieces to run."""
+    models = [
+        {"model_config": tiny_config(), "scale": "tinyA"},
+        {"model_config": tiny_config(num_hidden_layers=2), "scale": "tinyB", "seq_lens": [16]},
+    ]
+    runs = [{"method": "resident_gc"}, {"method": "poros", "name": "poros_1KB", "vram_budget": "1KB"}]
+    path = _one_step_config(tmp_path, models=models, runs=runs)
+    cfg = yaml.safe_load(path.read_text())
+    del cfg["model_config"]  # each entry of `models` names its own
+    path.write_text(yaml.safe_dump(cfg))
+    assert [e["scale"] for e in model_entries(load_bench_config(path))] == ["tinyA", "tinyB"]
+    assert main(["run", str(path), "--models", "tinyb", "--runs", "resident_gc"]) == 0
+    assert [(r["scale"], r["seq_len"], r["method"]) for r in _rows(tmp_path)] == [("tinyB", 16, "resident_gc")]
+    (tmp_path / "bench.jsonl").unlink()
+    assert main(["run", str(path), "--seq-lens", "4", "--runs", "poros_1KB"]) == 0  # refusals only: no model runs
+    rows = _rows(tmp_path)
+    assert [(r["scale"], r["seq_len"], r["refused"]) for r in rows] == [("tinyA", 4, True), ("tinyB", 4, True)]
+    assert rows[0]["model"] == "qwen2 (random init)" and len({r["run_id"] for r in rows}) == 1
+    with pytest.raises(PorosConfigError, match="No model 70b"):
+        main(["run", str(path), "--models", "70B"])
+
+
+@pytest.mark.parametrize(
+    ("edits", "match"),
+    [
+        ({"models": [{"model_config": {}, "steps_": 1}]}, "steps_"),
+        ({"models": [{"scale": "x"}]}, "names no model"),
+        ({"models": []}, "non-empty list"),
+        ({"models": [{"model": "Qwen/Qwen2.5-7B"}], "model": "Qwen/Qwen2.5-7B"}, "both `models` and"),
+        ({"models": [{"model": "Qwen/Qwen2.5-7B", "build": "fast"}]}, "Unknown build 'fast'"),
+    ],
+)
+def test_models_list_is_validated(tmp_path: Path, edits: dict, match: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"runs": [{"method": "poros"}], **edits}))
+    with pytest.raises(PorosConfigError, match=match):
+        load_bench_config(path)
+
+
+BENCH_CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs" / "bench").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", BENCH_CONFIGS, ids=lambda p: p.name)
+def test_shipped_bench_configs_load(path: Path) -> None:
+    from poros_lightning.tools.check import load_config
+
+    assert path.read_text().splitlines()[0] == f"# poros-lightning bench run configs/bench/{path.name}"
+    cfg = load_bench_config(path)
+    for entry in model_entries(cfg):
+        config, source = load_config(entry["model"])
+        assert source == "bundled config facts" and config["model_type"]
+    names = [r.get("name", r["method"]) for r in cfg["runs"]]
+    assert len(set(names)) == len(names) and cfg["out"].startswith("docs/benchmarks/")
+
+
+def test_planner_sweep_config() -> None:
+    from poros_lightning.memory.planner import parse_bytes
+
+    cfg = load_bench_config(BENCH_CONFIGS[0].parent / "planner-sweep.yaml")
+    entries = model_entries(cfg)
+    assert [e["model"] for e in entries] == [f"Qwen/Qwen2.5-{s}" for s in ("7B", "32B", "72B")]
+    assert all(e["seq_lens"] == [512, 2048, 4096] for e in entries)
+    assert {"method": "resident_gc"} in cfg["runs"]
+    assert [parse_bytes(r["vram_budget"]) / 1e9 for r in cfg["runs"] if "vram_budget" in r] == [6, 8, 12, 16, 24]
+    assert cfg["out"] == "docs/benchmarks/planner_sweep.jsonl"
+
+
+def _sweep_rows() -> list[dict]:
+    base = {"run_id": "r", "model": "Qwen/Qwen2.5-72B (random init)", "scale": "72B", "seq_len": 2048}
+    poros = {**base, "base_method": "poros", "refused": False, "oom": False}
+    return [
+        {**base, "method": "resident_gc", "base_method": "resident_gc", "vram_budget": None, "s_per_step": 2.0},
+        {
+            **poros,
+            "method": "poros_6GB",
+            "vram_budget": 6.0,
+            "refused": True,
+            "min_budget_gb": 7.54,
+            "s_per_step": None,
+        },
+        {**poros, "method": "poros_8GB", "vram_budget": 8.0, "oom": True, "s_per_step": None, "planned_peak_gb": 7.1},
+        {
+            **poros,
+            "method": "poros_12GB",
+            "vram_budget": 12.0,
+            "s_per_step": 2.5,
+            "planned_peak_gb": 10.5,
+            "peak_vram_gb": 9.9,
+            "peak_reserved_gb": 10.8,
+            "embeddings_on_host": True,
+            "resident_blocks": 3,
+        },
+        {**poros, "method": "poros_24GB", "vram_budget": "24GB", "s_per_step": 2.2, "resident_blocks": 22},  # older row
+        {**base, "seq_len": 512, "method": "poros", "base_method": "poros", "s_per_step": 1.0},  # no budget: no plot
+    ]
+
+
+def test_report_plots_s_per_step_against_the_budget(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from poros_lightning.tools.bench.report import load_rows, render_html
+    from poros_lightning.tools.bench.sweep import sweep_groups
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _sweep_rows()))
+    rows = load_rows([path])
+    assert list(sweep_groups(rows)) == [("72B", 2048)]
+    page = render_html(rows)
+    assert page.count('<svg xmlns="http://www.w3.org/2000/svg" class="budget-sweep"') == 1
+    assert "<h3>72B, seq 2048</h3>" in page
+    assert page.count('class="reference resident_gc"') == 1 and "resident_gc: 2.000 s/step" in page
+    assert page.count('class="point measured"') == 2 and 'class="measured" points=' in page  # 12 and 24 GB
+    assert (
+        page.count('class="point refused"') == 1 and "6 GB: refused by the planner (smallest budget 7.540 GB)" in page
+    )
+    assert page.count('class="point oom"') == 1 and "8 GB: out of device memory" in page
+    assert 'class="minimum-budget"' in page
+    assert "12 GB: 2.500 s/step x1.250 resident_gc" in page and "host: embeddings; 3 resident blocks" in page
+    # The table beside the plot and the full table name the refusal too.
+    assert "<td>refused (needs 7.540 GB)</td>" in page and "<td>out of memory</td>" in page
+    assert main(["report", str(path), "-o", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "| 72B | 2048 | 6 | — | — | — | — | refused (needs 7.540 GB) | — |" in out
+    assert "| 72B | 2048 | 12 | host: embeddings; 3 resident blocks | 10.5 | 9.900 | 10.8 | 2.500 | 1.250 |" in out
+    assert 'class="point oom"' in (tmp_path / "r.html").read_text()
+    assert "budget-sweep" not in render_html(rows[-1:])  # rows without budgets: no sweep section

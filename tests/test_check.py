@@ -140,11 +140,15 @@ def test_unresolvable_model_exits_1(capsys):
 
 
 def test_vram_budget_report(capsys):
-    assert main(["Qwen/Qwen2.5-72B-Instruct", "--vram-budget", "8GB"]) == 0
+    assert main(["Qwen/Qwen2.5-72B-Instruct", "--vram-budget", "4GB"]) == 0
     out = capsys.readouterr().out
-    assert "does NOT fit" in out and "smallest budget that would" in out
+    assert "does NOT fit; the smallest budget that would is 6.06 GB (host-side options on)" in out
+    assert main(["Qwen/Qwen2.5-72B-Instruct", "--vram-budget", "8GB"]) == 0
+    out = capsys.readouterr().out  # fits with host-side options, not with everything else on the device
+    assert "8.00 GB: fits (the smallest budget that does: 6.06 GB" in out
+    assert "streamed, host-side options off: does not fit at block_size 1 (needs 11.53 GB)" in out
     assert main(["Qwen/Qwen2.5-0.5B-Instruct", "--vram-budget", "24GiB"]) == 0
-    assert "fits streamed" in capsys.readouterr().out
+    assert "streamed, host-side options off: fits at block_size 1" in capsys.readouterr().out
     assert main(["Qwen/Qwen2.5-0.5B-Instruct", "--vram-budget", "lots"]) == 1
     assert "invalid size" in capsys.readouterr().err
 
@@ -207,3 +211,52 @@ def test_loss_chunk_tokens_plans_one_chunk_of_logits(capsys):
     )
     assert main(["Qwen/Qwen2.5-7B", "--loss-chunk-tokens", "0"]) == 1
     assert "loss_chunk_tokens=0 must be a positive integer" in capsys.readouterr().err
+
+
+def _strategy_plan(model: str, budget: str | int, seq_len: int):
+    """The call ``PorosStrategy(vram_budget=budget)._plan`` makes for a plain LoRA run (batch 1, r16, NF4-dq,
+    frozen head) off CUDA, where it measures no link."""
+    from poros_lightning.memory.planner import plan_engine
+
+    cfg, _ = load_config(model)
+    return plan_engine(
+        cfg, budget, seq_len=seq_len, batch_size=1, lora_r=16, quantization="nf4-dq", head_frozen=True, link_gbps=None
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "budget", "seq_len"),
+    [("Qwen/Qwen2.5-72B", "16GB", 512), ("Qwen/Qwen2.5-7B", "6GB", 2048), ("Qwen/Qwen2.5-32B", "24GB", 4096)],
+)
+def test_check_prints_the_strategys_plan(capsys, model, budget, seq_len):
+    plan = _strategy_plan(model, budget, seq_len)
+    assert main([model, "--vram-budget", budget, "--seq-len", str(seq_len)]) == 0
+    out = capsys.readouterr().out
+    (options,) = [line for line in out.splitlines() if line.startswith("  options: ")]
+    printed = dict(item.split("=") for item in options.removeprefix("  options: ").split())
+    expected = {**plan.engine_kwargs(), "optimizer_on_host": plan.optimizer_on_host}
+    assert printed == {k: str(v) for k, v in expected.items()}
+    assert "\n".join(f"  {line}" for line in plan.explanation) in out
+    result = check(model, vram_budget=budget, seq_len=seq_len)
+    assert result.engine_options == expected and result.engine_plan == plan.explanation
+
+
+def test_smallest_budget_has_every_host_side_option_on(capsys):
+    """The minimum check prints is the smallest budget the strategy accepts, not the plan with nothing moved out."""
+    from poros_lightning.errors import PorosOOMError
+    from poros_lightning.memory.planner import format_bytes
+
+    result = check("Qwen/Qwen2.5-72B", vram_budget="16GB")
+    assert result.minimum_budget < result.plan.streamed_vram_min
+    assert (
+        format_bytes(result.minimum_budget) == "6.06 GB" and format_bytes(result.plan.streamed_vram_min) == "11.53 GB"
+    )
+    smallest = _strategy_plan("Qwen/Qwen2.5-72B", result.minimum_budget, 512)
+    assert smallest.embeddings_on_host and smallest.head_on_host and smallest.optimizer_on_host
+    assert smallest.inputs_on_host
+    with pytest.raises(PorosOOMError) as err:
+        _strategy_plan("Qwen/Qwen2.5-72B", result.minimum_budget - 1, 512)
+    assert err.value.needed_bytes == result.minimum_budget
+    assert main(["Qwen/Qwen2.5-72B"]) == 0  # printed without a budget too
+    out = capsys.readouterr().out
+    assert "smallest budget       6.06 GB (host-side options on" in out and "VRAM, host-side off" in out

@@ -1,4 +1,4 @@
-"""The memory planner: exact stored sizes, sane estimates, budgets, size parsing."""
+"""The memory planner: exact stored sizes, sane estimates, budgets (the smallest one too), size parsing."""
 
 from __future__ import annotations
 
@@ -267,3 +267,40 @@ def test_plan_engine_with_a_chunked_loss():
     table = 152064 * 3584 * 2
     assert any(f"saves {format_bytes(min(table, away))}" in line for line in plan.explanation)
     assert plan.vram_estimate <= 0.9 * plan.vram_budget
+
+
+@pytest.mark.parametrize("seq_len", [512, 2048, 4096])
+@pytest.mark.parametrize("hub_id", ["Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-0.5B"])
+def test_minimum_budget_is_the_smallest_budget_plan_engine_accepts(hub_id, seq_len):
+    from poros_lightning.memory.budget import minimum_budget
+    from poros_lightning.memory.planner import plan_engine
+
+    cfg = known_config(hub_id)
+    smallest = minimum_budget(cfg, seq_len=seq_len)
+    plan = plan_engine(cfg, smallest, seq_len=seq_len)
+    assert plan.vram_estimate <= smallest
+    with pytest.raises(PorosOOMError) as err:
+        plan_engine(cfg, smallest - 1, seq_len=seq_len)
+    # Every host-side option the model allows is on: the figure the refusal names, as a number.
+    assert err.value.needed_bytes == smallest
+    assert plan.optimizer_on_host and plan.inputs_on_host
+    tied = bool(cfg.get("tie_word_embeddings"))
+    assert plan.embeddings_on_host is plan.head_on_host is not tied
+    assert smallest < plan_memory(cfg, seq_len=seq_len).streamed_vram_min
+
+
+def test_minimum_budget_below_the_all_options_need():
+    """With a long adapter beside short activations, moving the optimizer state out costs more than it saves
+    (the update then holds the adapter, its gradient, the moments and a temporary): the smallest budget that
+    fits stops before that step, below the figure the refusal names."""
+    from poros_lightning.memory.budget import minimum_budget
+    from poros_lightning.memory.planner import plan_engine
+
+    smallest = minimum_budget(TINY, seq_len=8, lora_r=64)
+    with pytest.raises(PorosOOMError) as err:
+        plan_engine(TINY, 1, seq_len=8, lora_r=64)
+    assert smallest < err.value.needed_bytes
+    plan = plan_engine(TINY, smallest, seq_len=8, lora_r=64)
+    assert plan.embeddings_on_host and not plan.optimizer_on_host
+    with pytest.raises(PorosOOMError):
+        plan_engine(TINY, smallest - 1, seq_len=8, lora_r=64)

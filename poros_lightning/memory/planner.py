@@ -178,7 +178,7 @@ def plan_engine(
     # adapter + gradient + moments + one fp32 temporary as large as a moment (AdamW's sqrt), the slots,
     # and whatever of the resident part stays on the device.
     fwd = plan.streamed_vram_min
-    why = [f"minimum plan (block_size 1, 2 slots of {format_bytes(plan.per_block_bytes)}): {format_bytes(fwd)}"]
+    why = [f"host-side options off (block_size 1, 2 x {format_bytes(plan.per_block_bytes)} slots): {format_bytes(fwd)}"]
     if loss_chunk_tokens is not None:
         why.insert(
             0, f"LM head and loss in chunks of {loss_chunk_tokens} tokens: logits {format_bytes(plan.logits_bytes)}"
@@ -245,6 +245,7 @@ def plan_engine(
             f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
             f"batch {batch_size}, LoRA r{lora_r}; the budget is {format_bytes(budget)}.",
             f"Use vram_budget >= {format_bytes(total)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
+            needed_bytes=total,
         )
     spare = int(budget * 0.9) - total  # 10% headroom for allocator fragmentation and estimate error
     kept = 0

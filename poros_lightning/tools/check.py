@@ -29,6 +29,7 @@ from poros_lightning.arch import (
     transformers_knows,
 )
 from poros_lightning.errors import PorosConfigError, PorosOOMError, UnsupportedArchitectureError
+from poros_lightning.memory.budget import minimum_budget
 from poros_lightning.memory.planner import (
     QUANTIZATIONS,
     MemoryPlan,
@@ -66,6 +67,10 @@ class CheckResult:
         notes: remarks about the model, the layout or the estimate.
         engine_plan: with a VRAM budget, what ``PorosStrategy(vram_budget=...)`` would choose (one line
             per decision), or why nothing fits.
+        engine_options: with a VRAM budget that fits, the options that plan gives the engine
+            (``EnginePlan.engine_kwargs()``) and ``optimizer_on_host``.
+        minimum_budget: the smallest VRAM budget ``PorosStrategy(vram_budget=...)`` accepts, every host-side
+            option on (:func:`~poros_lightning.memory.budget.minimum_budget`), in bytes.
     """
 
     model: str
@@ -78,6 +83,8 @@ class CheckResult:
     plan: MemoryPlan | None = None
     notes: tuple[str, ...] = ()
     engine_plan: tuple[str, ...] = ()
+    engine_options: dict[str, Any] | None = None
+    minimum_budget: int | None = None
 
     @property
     def family(self) -> str | None:
@@ -262,39 +269,58 @@ def check(
         loss_chunk_tokens=loss_chunk_tokens,
     )
     notes.extend(plan.notes)
+    # The strategy's own call (PorosStrategy._plan): the same arguments, the planner's defaults for the rest.
+    planning = dict(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization)
+    planning.update(loss_chunk_tokens=loss_chunk_tokens)
+    smallest = minimum_budget(cfg, **planning, lora_targets=spec.lora_targets)
     engine_plan: tuple[str, ...] = ()
+    engine_options = None
     if vram_budget is not None:
         try:
-            engine_plan = plan_engine(
-                cfg, vram_budget, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization,
-                lora_targets=spec.lora_targets, link_gbps=link_gbps, loss_chunk_tokens=loss_chunk_tokens,
-            ).explanation  # fmt: skip
+            chosen = plan_engine(cfg, vram_budget, **planning, lora_targets=spec.lora_targets, link_gbps=link_gbps)
         except PorosOOMError as err:
             engine_plan = (str(err).splitlines()[0],)
-    return CheckResult(model, source, model_type, True, spec, None, max_pos, plan, tuple(notes), engine_plan)
+        else:
+            engine_plan = chosen.explanation
+            engine_options = {**chosen.engine_kwargs(), "optimizer_on_host": chosen.optimizer_on_host}
+    return CheckResult(
+        model, source, model_type, True, spec, None, max_pos, plan, tuple(notes), engine_plan, engine_options, smallest
+    )
 
 
 def _params(n: int) -> str:
     return f"{n / 1e9:.2f} B ({n:,})" if n >= 10**9 else f"{n / 1e6:.1f} M ({n:,})"
 
 
-def _budget_lines(plan: MemoryPlan) -> list[str]:
+_ON = "host-side options on"
+
+
+def _budget_lines(plan: MemoryPlan, smallest: int | None) -> list[str]:
     if plan.vram_budget is None:
         return []
     budget = format_bytes(plan.vram_budget)
+    lines = []
+    if smallest is not None and smallest <= plan.vram_budget:
+        lines.append(f"VRAM budget {budget}: fits (the smallest budget that does: {format_bytes(smallest)}, {_ON})")
+    elif smallest is not None:
+        lines.append(
+            f"VRAM budget {budget}: does NOT fit; the smallest budget that would is {format_bytes(smallest)} ({_ON})"
+        )
+    needs = format_bytes(plan.streamed_vram_min)
     if plan.fits:
-        line = f"VRAM budget {budget}: fits streamed at block_size {plan.block_size} (needs {format_bytes(plan.streamed_vram_min)})"
+        line = f"streamed, host-side options off: fits at block_size {plan.block_size} (needs {needs})"
         if plan.max_block_size and plan.max_block_size > plan.block_size:
             line += f"; block_size up to {plan.max_block_size} fits"
     else:
-        line = (
-            f"VRAM budget {budget}: does NOT fit streamed at block_size {plan.block_size}; the smallest budget that "
-            f"would is {format_bytes(plan.min_budget or 0)}"
-        )
+        line = f"streamed, host-side options off: does not fit at block_size {plan.block_size} (needs {needs})"
         if plan.max_block_size:
-            line += f" (block_size {plan.max_block_size} fits {budget})"
+            line += f"; block_size {plan.max_block_size} fits {budget}"
     resident = "fits" if plan.resident_fits else "does not fit"
-    return [line, f"  a resident run with gradient checkpointing {resident} ({format_bytes(plan.resident_vram_gc)})"]
+    return [
+        *lines,
+        f"  {line}",
+        f"  a resident run with gradient checkpointing {resident} ({format_bytes(plan.resident_vram_gc)})",
+    ]
 
 
 def format_check(result: CheckResult) -> str:
@@ -330,17 +356,24 @@ def format_check(result: CheckResult) -> str:
         f"  {'estimate':<22}{'streamed':>12}{'resident+GC':>14}{'resident':>12}",
         f"  {'activations':<22}{format_bytes(plan.activation_streamed_bytes):>12}"
         f"{format_bytes(plan.activation_resident_gc_bytes):>14}{format_bytes(plan.activation_resident_bytes):>12}",
-        f"  {'minimum VRAM':<22}{format_bytes(plan.streamed_vram_min):>12}"
+        f"  {'VRAM, host-side off':<22}{format_bytes(plan.streamed_vram_min):>12}"
         f"{format_bytes(plan.resident_vram_gc):>14}{format_bytes(plan.resident_vram):>12}",
         f"  host RAM (streamed)   {format_bytes(plan.host_ram_streamed)} (pinned NF4 base + resident copy while loading)",
         "  VRAM figures count tensors only (no CUDA context); activations are estimates.",
     ]
-    budget = _budget_lines(plan)
+    if result.minimum_budget is not None:
+        lines.append(
+            f"  smallest budget       {format_bytes(result.minimum_budget)} (host-side options on: input embeddings, "
+            "optimizer state, LM head, layer inputs)"
+        )
+    budget = _budget_lines(plan, result.minimum_budget)
     if budget:
         lines += ["", *budget]
     if result.engine_plan:
         lines += ["", "planner (PorosStrategy(vram_budget=...), minimum-memory options included):"]
         lines += [f"  {line}" for line in result.engine_plan]
+        if result.engine_options is not None:
+            lines.append("  options: " + " ".join(f"{k}={v}" for k, v in result.engine_options.items()))
     if result.notes:
         lines += ["", *(f"note: {note}" for note in result.notes)]
     return "\n".join(lines)

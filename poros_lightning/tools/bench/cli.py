@@ -12,9 +12,23 @@ import yaml
 
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["main", "load_bench_config", "run_bench"]
+__all__ = ["main", "load_bench_config", "model_entries", "run_bench"]
 
+_MODEL_KEYS = {
+    "model",
+    "model_config",
+    "scale",
+    "build",
+    "seq_lens",
+    "lora_r",
+    "batch_size",
+    "steps",
+    "warmup",
+    "compile_layers",
+}
+"""What an entry of ``models:`` may set for its model alone (the top level gives the defaults)."""
 _KEYS = {
+    "models",
     "model",
     "model_config",
     "scale",
@@ -49,27 +63,80 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
         )
     if not cfg.get("runs"):
         raise PorosConfigError(f"{path} lists no runs.", "Add `runs: [{method: poros}, {method: resident_gc}]`.")
-    if cfg.get("build", "auto") not in _BUILDS:
-        raise PorosConfigError(
-            f"Unknown build {cfg['build']!r} in {path}.",
-            "Use build: auto (blockwise when bf16 weights would not fit), direct or blockwise.",
-        )
+    models = cfg.get("models")
+    if models is not None:
+        if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):
+            raise PorosConfigError(
+                f"`models` in {path} must be a non-empty list of mappings.",
+                "Write e.g. `models: [{model: Qwen/Qwen2.5-7B, scale: 7B}, {model: Qwen/Qwen2.5-32B, scale: 32B}]`.",
+            )
+        if {"model", "model_config"} & set(cfg):
+            raise PorosConfigError(
+                f"{path} has both `models` and a top-level `model`/`model_config`.",
+                "Give each model as an entry of `models:`, or use `model:` alone.",
+            )
+        for entry in models:
+            unknown = set(entry) - _MODEL_KEYS
+            if unknown:
+                raise PorosConfigError(
+                    f"Unknown keys in an entry of `models` in {path}: {', '.join(sorted(unknown))}.",
+                    f"An entry may set: {', '.join(sorted(_MODEL_KEYS))}.",
+                )
+            if not {"model", "model_config"} & set(entry):
+                raise PorosConfigError(
+                    f"An entry of `models` in {path} names no model: {entry}.",
+                    "Give it `model: <hub id>` (bundled config facts) or `model_config: {...}`.",
+                )
+    for entry in model_entries(cfg):
+        if entry.get("build", "auto") not in _BUILDS:
+            raise PorosConfigError(
+                f"Unknown build {entry['build']!r} in {path}.",
+                "Use build: auto (blockwise when bf16 weights would not fit), direct or blockwise.",
+            )
     return cfg
 
 
+def model_entries(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """One dict per model of a bench config: its ``models:`` entry over the top-level defaults (or the config's
+    single ``model``), restricted to the keys a model may set."""
+    defaults = {k: v for k, v in cfg.items() if k in _MODEL_KEYS}
+    return [{**defaults, **entry} for entry in cfg.get("models") or [{}]]
+
+
+def _label(entry: dict[str, Any]) -> str:
+    """How rows and ``--models`` name a model: its ``scale``, else its hub id, else its ``model_type``."""
+    return str(entry.get("scale") or entry.get("model") or (entry.get("model_config") or {}).get("model_type"))
+
+
+def select_models(cfg: dict[str, Any], names: list[str], path: str | Path = "the config") -> None:
+    """Keep the models of ``cfg`` whose ``scale`` or ``model`` is one of ``names`` (case ignored), in place."""
+    wanted = {n.lower() for n in names}
+    entries = model_entries(cfg)
+    names_of = [{_label(e).lower(), str(e.get("model", "")).lower()} for e in entries]
+    missing = sorted(wanted - set().union(*names_of))
+    if missing:
+        raise PorosConfigError(
+            f"No model {', '.join(missing)} in {path}.",
+            f"Models there (scale or hub id): {', '.join(_label(e) for e in entries)}.",
+        )
+    if "models" in cfg:
+        cfg["models"] = [m for m, names_ in zip(cfg["models"], names_of, strict=True) if names_ & wanted]
+
+
+def _override(cfg: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` for every model (a command-line value beats the YAML's, top level and entries alike)."""
+    cfg[key] = value
+    for entry in cfg.get("models") or []:
+        entry.pop(key, None)
+
+
 def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[str, Any]]:
-    """Run every (seq_len, run) of a bench config; append rows to ``out`` (JSONL) and return them."""
-    import torch
+    """Run every (model, seq_len, run) of a bench config; append rows to ``out`` (JSONL) and return them.
 
-    from poros_lightning.tools.bench.harness import bench_methods, measure_h2d, write_jsonl
-    from poros_lightning.tools.parity.runner import versions
+    Each (model, seq_len) builds its model once and runs ``runs`` on it in order, in this one process.
+    """
+    from poros_lightning.tools.bench.harness import measure_h2d
 
-    if "model_config" in cfg:
-        config = dict(cfg["model_config"])
-    else:
-        from poros_lightning.tools.check import load_config
-
-        config, _ = load_config(cfg["model"])
     h2d = measure_h2d()
     run_id = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"  # rows of one process share it
     rows = []
@@ -78,38 +145,65 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
         raise PorosConfigError(f"rounds must be >= 1, got {rounds}.", "Use rounds: 1 (default) or more.")
     # Several rounds interleave the methods (A B A B ...): a drift of the machine hits all of them alike.
     runs = [{**run, "round": i} for i in range(rounds) for run in cfg["runs"]] if rounds > 1 else cfg["runs"]
+    for entry in model_entries(cfg):
+        _run_model(entry, runs, out, rows, h2d=h2d, run_id=run_id, profile=bool(cfg.get("profile", False)))
+    return rows
+
+
+def _run_model(
+    entry: dict[str, Any],
+    runs: list[dict[str, Any]],
+    out: str | Path | None,
+    rows: list[dict[str, Any]],
+    *,
+    h2d: float | None,
+    run_id: str,
+    profile: bool,
+) -> None:
+    """Every (seq_len, run) of one model entry; rows go to ``rows`` and ``out`` as each run ends."""
+    import torch
+
+    from poros_lightning.tools.bench.harness import bench_methods, write_jsonl
+    from poros_lightning.tools.parity.runner import versions
+
+    if "model_config" in entry:
+        config = dict(entry["model_config"])
+    else:
+        from poros_lightning.tools.check import load_config
+
+        config, _ = load_config(entry["model"])
 
     def record(row: dict[str, Any]) -> None:
         full = {
-            "model": f"{cfg.get('model', config.get('model_type'))} (random init)",
-            "scale": cfg.get("scale"),
+            "model": f"{entry.get('model', config.get('model_type'))} (random init)",
+            "scale": entry.get("scale"),
             "pinned_peak_h2d_gbps": h2d,
             "run_id": run_id,
             **row,
             **versions(),
         }
-        print({k: full.get(k) for k in ("scale", "seq_len", "method", "s_per_step", "peak_vram_gb", "h2d_copy_gbps")})
+        shown = ("scale", "seq_len", "method", "vram_budget", "s_per_step", "peak_vram_gb", "oom", "refused")
+        print({k: full.get(k) for k in shown})
         rows.append(full)
         if out is not None:
             write_jsonl([full], out)  # as soon as the run ends: a later crash or kill loses nothing measured
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    for seq_len in cfg.get("seq_lens", [512]):
+    for seq_len in entry.get("seq_lens", [512]):
         bench_methods(
             config,
             runs,
             seq_len=int(seq_len),
-            batch_size=int(cfg.get("batch_size", 1)),
-            lora_r=int(cfg.get("lora_r", 16)),
-            steps=int(cfg.get("steps", 10)),
-            warmup=int(cfg.get("warmup", 3)),
-            blockwise=_BUILDS[cfg.get("build", "auto")],
-            compile_layers=bool(cfg.get("compile_layers", False)),
-            profile=bool(cfg.get("profile", False)),
+            batch_size=int(entry.get("batch_size", 1)),
+            lora_r=int(entry.get("lora_r", 16)),
+            steps=int(entry.get("steps", 10)),
+            warmup=int(entry.get("warmup", 3)),
+            blockwise=_BUILDS[entry.get("build", "auto")],
+            compile_layers=bool(entry.get("compile_layers", False)),
+            profile=profile,
             on_row=record,
         )
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--steps", type=int, help="timed steps (overrides the YAML)")
     run.add_argument("--runs", nargs="+", metavar="NAME", help="only the runs of these names (default: all)")
     run.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (overrides the YAML)")
+    run.add_argument("--models", nargs="+", metavar="NAME", help="only these models, by scale or hub id (default: all)")
     run.add_argument("--rounds", type=int, help="interleaved rounds of the runs (overrides the YAML)")
     run.add_argument(
         "--profile",
@@ -145,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "run":
         cfg = load_bench_config(args.config)
+        if args.models:
+            select_models(cfg, args.models, args.config)
         if args.steps:
-            cfg["steps"] = args.steps
+            _override(cfg, "steps", args.steps)
         if args.seq_lens:
-            cfg["seq_lens"] = args.seq_lens
+            _override(cfg, "seq_lens", args.seq_lens)
         if args.rounds is not None:
             cfg["rounds"] = args.rounds
         if args.profile:
@@ -163,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg["runs"] = [r for r, name in zip(cfg["runs"], names, strict=True) if name in args.runs]
         run_bench(cfg, args.out or cfg.get("out"))
         return 0
-    from poros_lightning.tools.bench.report import load_rows, markdown_table, profile_table, ratio_table, render_html
+    from poros_lightning.tools.bench.report import (
+        load_rows,
+        markdown_table,
+        profile_table,
+        ratio_table,
+        render_html,
+        sweep_table,
+    )
 
     rows = load_rows(args.jsonl)
     for cond in args.where:
@@ -174,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(render_html(rows))
     print(markdown_table(rows))
+    sweep = sweep_table(rows)
+    if sweep:
+        print()
+        print(sweep)
     if args.ratio_to:
         print()
         print(ratio_table(rows, args.ratio_to))

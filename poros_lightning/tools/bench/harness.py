@@ -210,9 +210,14 @@ def bench_methods(
     optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
     card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
     the planner of ``PorosStrategy(vram_budget=...)`` picks the engine options and ``optimizer_on_host``,
-    and the run is capped at the budget). ``compile_layers``: every run computes with each decoder
-    layer under ``torch.compile`` (:func:`~poros_lightning.training.compiling.compile_layers`). Between runs the adapter is reset
-    and the model returns to resident, so every method trains the same bytes. ``blockwise``: see
+    and the run is capped at the budget; a budget the planner refuses is recorded with ``"refused": true``
+    and the smallest budget it accepts, ``min_budget_gb``, without running). Either way the next run goes
+    on. Every row has ``vram_budget`` (GB, or None), ``planned_peak_gb`` (the plan's estimate, or None),
+    ``refused``, ``oom`` and ``s_per_step`` (None when nothing ran); a planned row also has the planner's
+    reasoning (``plan``) beside the engine options it chose (the row's option fields). ``compile_layers``:
+    every run computes with each decoder layer under ``torch.compile``
+    (:func:`~poros_lightning.training.compiling.compile_layers`). Between runs the adapter is reset and the
+    model returns to resident, so every method trains the same bytes. ``blockwise``: see
     :func:`~poros_lightning.tools.parity.build.build_peft_model` (``None``: when bf16 would not fit). ``profile``
     (CUDA): each run profiles one more step after its timed ones and adds its per-phase summary to the row
     as ``profile_*`` fields (:func:`~poros_lightning.tools.bench.timeline.summarize_trace`). ``on_row`` is
@@ -257,29 +262,27 @@ def bench_methods(
         }
         optimizer_on_host = bool(run.get("optimizer_on_host"))
         memory_cap = run.get("memory_cap_gb")
-        planned: dict[str, Any] = {}
+        planned: dict[str, Any] = {"vram_budget": None, "planned_peak_gb": None}
+        refusal: dict[str, Any] | None = None
         if run.get("vram_budget") is not None:
+            from poros_lightning.errors import PorosOOMError
+            from poros_lightning.memory.budget import minimum_budget
             from poros_lightning.memory.planner import parse_bytes, plan_engine
 
-            plan = plan_engine(
-                config,
-                run["vram_budget"],
-                seq_len=seq_len,
-                batch_size=batch_size,
-                lora_r=lora_r,
-                quantization=quantization,
-                link_gbps=measure_h2d(nbytes=256 << 20, repeats=3) if device == "cuda" else None,  # as PorosStrategy
-            )
-            engine_opts.update(plan.engine_kwargs())
-            optimizer_on_host = plan.optimizer_on_host
-            memory_cap = memory_cap or parse_bytes(run["vram_budget"]) / 1e9
-            planned = {"vram_budget": run["vram_budget"], "plan": list(plan.explanation)}
-        if method == "resident_gc":
-            _checkpointing(model, enable=True)
-            model.enable_input_require_grads()
-        elif method == "poros":
-            prepare(model, device=device, **engine_opts)
-        gc.collect()
+            budget = parse_bytes(run["vram_budget"])
+            planning = dict(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization)
+            planned["vram_budget"] = budget / 1e9
+            link = measure_h2d(nbytes=256 << 20, repeats=3) if device == "cuda" else None  # as PorosStrategy
+            try:
+                plan = plan_engine(config, budget, **planning, link_gbps=link)
+            except PorosOOMError as err:  # the strategy refuses it too: an answer, recorded as one
+                smallest = minimum_budget(config, **planning)
+                refusal = {"refused": True, "min_budget_gb": smallest / 1e9, "refusal": err.problem}
+            else:
+                engine_opts.update(plan.engine_kwargs())
+                optimizer_on_host = plan.optimizer_on_host
+                memory_cap = memory_cap or budget / 1e9
+                planned.update(planned_peak_gb=plan.vram_estimate / 1e9, plan=list(plan.explanation))
         row: dict[str, Any] = {
             "method": run.get("name", method),
             "base_method": method,
@@ -295,7 +298,20 @@ def bench_methods(
             "initial_adapter": "host",  # rows without this field counted a device copy of it in their peak
             **({"round": run["round"]} if "round" in run else {}),
             **planned,
+            "refused": False,
         }
+        if refusal is not None:
+            row.update(refusal, oom=False, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            continue
+        if method == "resident_gc":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        elif method == "poros":
+            prepare(model, device=device, **engine_opts)
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -367,7 +383,7 @@ def bench_methods(
                     copy_busy_fraction=timed["seconds"] / sum(times) if engine.ring.use_streams else None,
                 )
         except torch.OutOfMemoryError:
-            row.update(oom=True, s_per_step=None, peak_vram_gb=None)
+            row.update(oom=True, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None)
         finally:
             if device == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)

@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_rows", "markdown_table", "profile_table", "ratio_table", "render_html"]
+from poros_lightning.tools.bench.sweep import sweep_html, sweep_table
+
+__all__ = ["load_rows", "markdown_table", "profile_table", "ratio_table", "render_html", "sweep_table"]
 
 _COLUMNS = (
     ("model", "model"),
@@ -51,6 +53,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
     cells = [_fmt(row.get(key)) for key, _ in _COLUMNS]
     if row.get("oom"):
         cells[4] = f"OOM under {row.get('memory_cap_gb')} GB cap"
+    elif row.get("refused"):
+        cells[4] = f"refused (needs {_fmt(row.get('min_budget_gb'))} GB)"
     return cells
 
 
@@ -157,7 +161,8 @@ def _plot(rows: list[dict[str, Any]], key: str, label: str) -> str | None:
 
 
 def render_html(rows: list[dict[str, Any]], title: str = "poros-lightning benchmarks") -> str:
-    """A self-contained HTML page: plots (matplotlib, when installed) and the full table."""
+    """A self-contained HTML page: plots (matplotlib, when installed), the budget sweep (inline SVG, when rows
+    have a ``vram_budget``) and the full table."""
     parts = [
         f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<h1>{html.escape(title)}</h1>",
@@ -167,6 +172,9 @@ def render_html(rows: list[dict[str, Any]], title: str = "poros-lightning benchm
         img = _plot(rows, key, label)
         if img:
             parts.append(f"<h2>{label}</h2><img alt='{label}' src='data:image/png;base64,{img}'>")
+    sweep = sweep_html(rows)
+    if sweep:
+        parts.append(sweep)
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in _COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>" for r in rows)
     parts.append(f"<h2>All runs</h2><table border='1' cellpadding='4'><tr>{head}</tr>{body}</table>")
