@@ -59,6 +59,7 @@ def _step_loop(
     host_split: dict[str, list[float]] | None = None,
     counts: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
+    tuner: Any = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -89,12 +90,23 @@ def _step_loop(
     cuda = device == "cuda"
     phases = peaks if peaks is not None else {}
     phases.update(forward_backward=0, update=0, reserved=0)
+    step_peak = {"allocated": 0, "reserved": 0}  # since the tuner's last reset (see below)
 
     def phase_end(name: str) -> None:
         if cuda:  # the allocator's bookkeeping is host-side: no synchronization
             phases[name] = max(phases[name], torch.cuda.max_memory_allocated())
             phases["reserved"] = max(phases["reserved"], torch.cuda.max_memory_reserved())
+            step_peak["allocated"] = max(step_peak["allocated"], torch.cuda.max_memory_allocated())
+            step_peak["reserved"] = max(step_peak["reserved"], torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
+
+    if tuner is not None:  # the strategy's tuner (engine/tuner.py) reads the peaks these phases keep
+        tuner.stats = lambda: (
+            step_peak["allocated"],
+            step_peak["reserved"],
+            int(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
+        )
+        tuner.reset = lambda: step_peak.update(allocated=0, reserved=0)
 
     def wait() -> None:  # the compute stream only (see above)
         if cuda:
@@ -122,6 +134,10 @@ def _step_loop(
 
     times = []
     for i, ids in enumerate(batches):
+        if tuner is not None:
+            if i == warmup:  # the timed steps run the plan the warm-up steps fitted
+                tuner.done = True
+            tuner.step_boundary()
         ids = ids.to(device, non_blocking=True)
         wait()
         if ring is not None and i == warmup:
@@ -307,7 +323,7 @@ def bench_methods(
                 on_row(row)
             continue
         if method == "resident_gc":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _checkpointing(model, enable=True)
             model.enable_input_require_grads()
         elif method == "poros":
             prepare(model, device=device, **engine_opts)
@@ -319,6 +335,16 @@ def bench_methods(
                 torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap * 1e9 / total))
                 row["memory_cap_gb"] = memory_cap
         engine = engine_of(model)
+        tuner = None
+        if engine is not None and device == "cuda" and "vram_budget" in run and refusal is None and run.get("tune", True):
+            from poros_lightning.engine.tuner import PlanTuner
+
+            tuner = PlanTuner(
+                set_keep=engine.set_keep_activations, keep=engine.options.keep_activations,
+                num_layers=len(engine.layers), budget=int(planned["vram_budget"] * 1e9),
+                layer_bytes=max(plan.activation_layer_bytes, 1), device=engine.device, steps=warmup, log=print,
+            )  # fmt: skip
+        retries0 = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if device == "cuda" else 0
         loads0 = engine.ring.loads if engine is not None else 0
         head = engine.host_head if engine is not None else None
         head0 = head.loads if head is not None else 0
@@ -345,8 +371,13 @@ def bench_methods(
                 host_split=host_split,
                 counts=counts,
                 profile=profiled,
+                tuner=tuner,
             )
             s_per_step = sum(times) / len(times)
+            if tuner is not None:
+                row.update(tuned=PlanTuner.summary(tuner.history), keep_activations=tuner.keep)
+            if device == "cuda":
+                row["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) - retries0
             row.update(
                 oom=False,
                 s_per_step=s_per_step,

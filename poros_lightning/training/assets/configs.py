@@ -28,7 +28,7 @@ def configs_dir() -> Path:
     wheel packages. The package's own folder is looked at first, so an installed package never reads a ``configs``
     folder that something else put in ``site-packages``.
     """
-    package = Path(__file__).resolve().parent.parent
+    package = Path(__file__).resolve().parents[2]  # poros_lightning/
     packaged = package / "configs"
     return packaged if packaged.is_dir() else package.parent / "configs"
 
