@@ -143,7 +143,7 @@ def test_auto_budget_from_a_faked_free_memory(monkeypatch: pytest.MonkeyPatch) -
     assert planning.device_budget("auto", cuda) == auto_budget(20 * GB)
     # A per-process cap (a smaller card emulated, or a shared GPU) bounds the free memory.
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 16 * GB / (141 * GB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     assert planning.device_budget("auto", cuda) == auto_budget(20 * GB, 16 * GB) == 16 * GB  # the cap as it is
     assert planning.device_budget("16GB", cuda) == 16 * GB
     assert planning.device_budget("off", cuda) is None

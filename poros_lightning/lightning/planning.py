@@ -21,6 +21,7 @@ from poros_lightning.memory.planner import EnginePlan, format_bytes, parse_bytes
 __all__ = ["check_budget", "device_budget", "plan_for", "plan_record", "tuner_for", "use_expandable_segments"]
 
 _OFF = ("off", "none", "")
+_LINKS: dict[torch.device, float] = {}
 
 
 def check_budget(value: str | int | None) -> None:
@@ -39,7 +40,8 @@ def device_budget(value: str | int | None, device: torch.device) -> int | None:
             return None
         free, total = torch.cuda.mem_get_info(device)
         fraction = torch.cuda.get_per_process_memory_fraction(device)
-        cap = int(fraction * total) - torch.cuda.memory_reserved(device) if fraction < 1.0 else None
+        # What this process holds counts against its cap; its allocator's free cached blocks do not.
+        cap = round(fraction * total) - torch.cuda.memory_allocated(device) if fraction < 1.0 else None
         return auto_budget(free, cap)
     return parse_bytes(value)
 
@@ -62,12 +64,18 @@ def use_expandable_segments(device: torch.device, log: logging.Logger) -> bool:
 
 
 def _link_gbps(device: torch.device, log: logging.Logger) -> float | None:
-    """The pinned host-to-device bandwidth measured on ``device`` (None off CUDA, or if pinning fails)."""
+    """The pinned host-to-device bandwidth measured on ``device`` (None off CUDA, or if pinning fails).
+
+    Measured once per device and process: every plan of the process then sees the same link.
+    """
     if device.type != "cuda":
         return None
+    if device in _LINKS:
+        return _LINKS[device]
     try:
         with torch.cuda.device(device):
-            return measure_h2d(nbytes=256 << 20, repeats=3)
+            _LINKS[device] = measure_h2d(nbytes=256 << 20, repeats=3)
+            return _LINKS[device]
     except RuntimeError as err:  # pinned memory can be restricted (containers, ulimit -l)
         log.warning("poros plan: could not measure the host-to-device link (%s); assuming the default", err)
         return None
