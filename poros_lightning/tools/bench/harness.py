@@ -242,6 +242,12 @@ def bench_methods(
     from poros_lightning.api import engine_of, prepare, unprepare
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and any("vram_budget" in run for run in runs):  # the allocator PorosStrategy's plans use
+        import logging
+
+        from poros_lightning.lightning.planning import use_expandable_segments
+
+        use_expandable_segments(torch.device("cuda"), logging.getLogger(__name__))
     model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization, blockwise=blockwise)
     if compile_layers:
         from poros_lightning.training.compiling import compile_layers as compile_each_layer
