@@ -331,19 +331,22 @@ def test_datasets_and_pyarrow_are_imported_lazily_in_one_place() -> None:
     import ast
 
     import poros_lightning.training.data as data
+    import poros_lightning.training.records as records
 
-    tree = ast.parse(Path(data.__file__).read_text(encoding="utf-8"))
-    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
-    names = {a.name for n in top for a in n.names} | {n.module for n in top if isinstance(n, ast.ImportFrom)}
-    assert not {name for name in names if name and name.split(".")[0] in ("datasets", "pyarrow")}
-    callers = {
-        f.name
-        for f in ast.walk(tree)
-        if isinstance(f, ast.FunctionDef)
-        for c in ast.walk(f)
-        if isinstance(c, ast.Attribute) and c.attr == "import_module"
-    }
-    assert callers == {"_optional_import"}
+    callers = set()
+    for module in (data, records):
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = {a.name for n in top for a in n.names} | {n.module for n in top if isinstance(n, ast.ImportFrom)}
+        assert not {name for name in names if name and name.split(".")[0] in ("datasets", "pyarrow")}, module
+        callers |= {
+            (module.__name__, f.name)
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef)
+            for c in ast.walk(f)
+            if isinstance(c, ast.Attribute) and c.attr == "import_module"
+        }
+    assert callers == {("poros_lightning.training.records", "optional_import")}
 
 
 # --------------------------------------------------------------------------------------- bundled dataset

@@ -14,8 +14,7 @@ from conftest import ALL_LINEAR, differences, gpu, tiny_config, train_loop
 
 from poros_lightning.errors import PorosConfigError, UnsupportedArchitectureError
 from poros_lightning.quant import cache as nf4_cache
-from poros_lightning.quant import is_4bit_linear, quantize_model
-from poros_lightning.quant import loader as loader_mod
+from poros_lightning.quant import is_4bit_linear, quantize_model, safetensors_io, skeleton
 from poros_lightning.quant.loader import load_quantized, load_random_quantized, load_report, random_checkpoint
 
 SHARD = "60KB"  # several shards even for the tiny models
@@ -108,7 +107,7 @@ def test_kept_tensors_own_their_memory(
     checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No kept tensor points into a file mapping (its pages would count in the RSS); big ones copy in chunks."""
-    monkeypatch.setattr(nf4_cache, "_COPY_CHUNK", 4096)  # embeddings and head go through the chunked copy
+    monkeypatch.setattr(safetensors_io, "_COPY_CHUNK", 4096)  # embeddings and head go through the chunked copy
     for source in ("checkpoint", "cache"):
         got = _load(checkpoints["qwen2"], use_cache=True, cache_dir=tmp_path)
         assert load_report(got).source == source
@@ -159,13 +158,13 @@ def test_prepare_then_train_equals_resident_reference(checkpoints: dict[str, Pat
 @pytest.fixture
 def quantize_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    original = loader_mod._quantize_weight
+    original = skeleton._quantize_weight
 
     def counting(lin: torch.nn.Module, *args: object) -> None:
         calls.append(type(lin).__name__)
         original(lin, *args)
 
-    monkeypatch.setattr(loader_mod, "_quantize_weight", counting)
+    monkeypatch.setattr(skeleton, "_quantize_weight", counting)
     return calls
 
 
@@ -225,7 +224,7 @@ def test_damaged_cache_is_rebuilt(
 ) -> None:
     # Fingerprint only 64 bytes at each end, so a flip in the middle passes the quick checks and
     # only the full SHA-256 can catch it (real shards are far larger than the fingerprinted MiBs).
-    monkeypatch.setattr(nf4_cache, "_QUICK_BYTES", 64)
+    monkeypatch.setattr(safetensors_io, "_QUICK_BYTES", 64)
     fresh = _load(checkpoints["llama"], use_cache=True, cache_dir=tmp_path)
     damage(_entry(tmp_path))  # type: ignore[operator]
     quantize_calls.clear()

@@ -130,3 +130,129 @@ def test_resident_blocks_mode_is_gated_with_blocks_between_streamed_ones(
     assert summary["mode"] == "resident_blocks" and summary["lora_dropout"] == 0.1 and summary["equal"]
     (ring,) = rings
     assert ring.resident_at == [2]  # 4 layers: one resident block, between streamed ones
+
+
+# ------------------------------------------------------------------ any config: nested, defaulted, refused
+
+_GEMMA3_MULTIMODAL = {
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "vocab_size": 512,
+        "sliding_window": 8,
+    },
+    "vision_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    },
+    "mm_tokens_per_image": 4,
+}
+# No vocab_size: the transformers default (248320) applies, as in a config that leaves it out.
+_QWEN3_5_TEXT_DEFAULTED = {
+    "model_type": "qwen3_5_text",
+    "num_hidden_layers": 4,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
+
+@pytest.mark.parametrize(
+    ("model_config", "model_class"),
+    [(_GEMMA3_MULTIMODAL, "Gemma3ForConditionalGeneration"), (_QWEN3_5_TEXT_DEFAULTED, "Qwen3_5ForCausalLM")],
+    ids=["gemma3-text_config-nested", "qwen3_5_text-no-vocab_size"],
+)
+def test_parity_reads_any_config(
+    tmp_path: Path, model_config: dict, model_class: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multimodal config (text facts under text_config) and one leaving vocab_size to transformers: both gate."""
+    import poros_lightning.tools.parity.runner as runner
+
+    built: list[str] = []
+    build = runner.build_peft_model
+
+    def recording(*args: object, **kwargs: object) -> object:
+        net = build(*args, **kwargs)
+        built.append(type(net.get_base_model()).__name__)
+        return net
+
+    monkeypatch.setattr(runner, "build_peft_model", recording)
+    path = tmp_path / "parity.yaml"
+    out = tmp_path / "parity.jsonl"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model_config": model_config,
+                "steps": 2,
+                "seq_len": 16,
+                "lora_r": 4,
+                "modes": ["dropout"],
+                "out": str(out),
+            }
+        )
+    )
+    assert main(["--config", str(path)]) == 0
+    assert "EQUAL" in capsys.readouterr().out
+    assert built == [model_class]
+    (summary,) = [r for r in map(json.loads, out.read_text().splitlines()) if r.get("summary")]
+    assert summary["equal"] and summary["lora_dropout"] == 0.1
+
+
+def test_parity_builds_the_multimodal_class_of_the_checkpoint() -> None:
+    """qwen3_5 checkpoints load as Qwen3_5ForConditionalGeneration; AutoModelForCausalLM would drop the vision tower."""
+    from poros_lightning.tools.parity.build import build_peft_model
+
+    cfg = {
+        "model_type": "qwen3_5",
+        "text_config": {k: v for k, v in _QWEN3_5_TEXT_DEFAULTED.items() if k != "model_type"} | {"vocab_size": 256},
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "patch_size": 14,
+        },
+    }
+    net = build_peft_model(cfg, lora_r=4)
+    assert type(net.get_base_model()).__name__ == "Qwen3_5ForConditionalGeneration"
+
+
+@pytest.mark.parametrize(
+    ("model_config", "match"),
+    [
+        ({"model_type": "nosuchmodel", "num_hidden_layers": 2}, "does not know model_type 'nosuchmodel'"),
+        ({"num_hidden_layers": 2}, "needs a 'model_type' string"),
+        (
+            {
+                "model_type": "qwen2",
+                "num_hidden_layers": 1,
+                "hidden_size": 32,
+                "num_attention_heads": 2,
+                "rope_scaling": {"rope_type": "bogus"},
+            },
+            "cannot build a 'qwen2' model",
+        ),
+    ],
+)
+def test_a_config_transformers_cannot_build_is_a_clear_error(tmp_path: Path, model_config: dict, match: str) -> None:
+    path = tmp_path / "parity.yaml"
+    path.write_text(yaml.safe_dump({"model_config": model_config, "steps": 1, "seq_len": 8, "lora_r": 2}))
+    with pytest.raises(PorosConfigError, match=match) as err:
+        main(["--config", str(path)])
+    assert "HINT:" in str(err.value)

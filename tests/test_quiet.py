@@ -27,16 +27,35 @@ def test_listed_warnings_are_hidden_and_others_are_not() -> None:
     ]
 
 
-def test_listed_log_messages_are_dropped_and_others_kept(caplog: pytest.LogCaptureFixture) -> None:
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_listed_log_messages_are_dropped_and_others_kept() -> None:
     _quiet.install()
     bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
     tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    with caplog.at_level(logging.INFO):
+    # A handler on each logger itself: Lightning may have turned propagation off after an earlier Trainer.
+    collect = _Collect()
+    levels = {logger: logger.level for logger in (bnb, tips)}
+    for logger in levels:
+        logger.addHandler(collect)
+        logger.setLevel(logging.INFO)
+    try:
         bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "offline")
         bnb.warning("Some other bitsandbytes warning")
         tips.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
         tips.info("GPU available: False, used: False")
-    assert [r.getMessage() for r in caplog.records] == [
+    finally:
+        for logger, level in levels.items():
+            logger.removeHandler(collect)
+            logger.setLevel(level)
+    assert collect.messages == [
         "Some other bitsandbytes warning",
         "GPU available: False, used: False",
     ]

@@ -290,19 +290,22 @@ def load_random_quantized(
     progress: bool = True,
     allow_unlisted_arch: bool = False,
     attn_implementation: str | None = None,
+    auto_class: Any = None,
 ) -> PreTrainedModel:
     """Build a random-weight base tensor by tensor, without a checkpoint (for memory measurements at scale).
 
     The weights are those :func:`random_checkpoint` writes for the same ``config``, ``seed`` and device
     kind, so ``load_random_quantized(cfg, seed=s)`` equals ``load_quantized(random_checkpoint(cfg, d, seed=s))``.
-    Arguments as in :func:`load_quantized`.
+    Arguments as in :func:`load_quantized`; ``auto_class`` is the transformers Auto class that builds the model
+    (``AutoModelForCausalLM`` when None; :func:`~poros_lightning.quant.hf_config.checkpoint_auto_class` names the
+    one a family's checkpoints use).
     """
     check_quantization(quantization)
     hf_config = _hf_config(config)
     _check_arch(hf_config, allow_unlisted_arch)
     device = _compute_device(compute_device)
     start = time.perf_counter()
-    sk = Skeleton(hf_config, quantization, dtype, attn_implementation)
+    sk = Skeleton(hf_config, quantization, dtype, attn_implementation, auto_class)
     std = _std(hf_config)
     total = sum(dt.itemsize * math.prod(shape) for dt, shape in sk.specs.values())
     layer = None

@@ -68,15 +68,9 @@ def _params_on_meta() -> Iterator[None]:
 
 
 def _hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
-    from transformers import AutoConfig
+    from poros_lightning.quant.hf_config import hf_config
 
-    if not isinstance(config, dict):
-        return config
-    cfg = dict(config)
-    model_type = cfg.pop("model_type", None)
-    if not isinstance(model_type, str):
-        raise PorosConfigError(f"A model config needs a 'model_type' string, got {config!r}.", "Example: qwen2.")
-    return AutoConfig.for_model(model_type, **cfg)
+    return hf_config(config)
 
 
 def _check_arch(config: PretrainedConfig, allow_unlisted: bool) -> None:
@@ -99,12 +93,21 @@ def _compute_device(device: torch.device | str | None) -> torch.device:
 class Skeleton:
     """A meta-device model and where each checkpoint tensor goes (see Note: [tied weights])."""
 
-    def __init__(self, config: PretrainedConfig, quantization: str, dtype: torch.dtype, attn: str | None) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        quantization: str,
+        dtype: torch.dtype,
+        attn: str | None,
+        auto_class: Any = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM
+
+        from poros_lightning.quant.hf_config import build_from_config
 
         kwargs = {"attn_implementation": attn} if attn else {}
         with _params_on_meta():
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+            self.model = build_from_config(auto_class or AutoModelForCausalLM, config, dtype=dtype, **kwargs)
         self.dtype = dtype
         self.quantization = quantization
         self.linear_weights = {f"{n}.weight" for n in _linear_names(self.model, ("lm_head",))}

@@ -255,7 +255,7 @@ def bench_methods(
         compile_each_layer(model)
     # The initial adapter waits in host memory: a device copy would count in every run's peak.
     init = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    vocab = int(model.get_base_model().config.get_text_config().vocab_size)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (batch_size, seq_len), generator=gen) for _ in range(warmup + steps)]
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from poros_lightning.quant import quantize_model
+from poros_lightning.quant.hf_config import build_from_config, checkpoint_auto_class, hf_config
 
 __all__ = ["bf16_bytes", "build_peft_model", "lora_targets_for"]
 
@@ -32,12 +33,8 @@ def lora_targets_for(model_type: str) -> list[str]:
 
 def bf16_bytes(config: dict[str, Any]) -> int:
     """Bytes of the model's weights in bf16, counted on the meta device (nothing is allocated)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(config)
-    hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+        model = build_from_config(checkpoint_auto_class(config["model_type"]), hf_config(config), dtype=torch.bfloat16)
     return sum(t.numel() * 2 for t in {id(p): p for p in model.parameters()}.values())
 
 
@@ -67,8 +64,12 @@ def build_peft_model(
 ) -> torch.nn.Module:
     """A random-init HF causal LM from ``config``, quantized on ``device``, wrapped with PEFT LoRA.
 
+    The model is the class the family's checkpoints load as (``...ForConditionalGeneration`` for the multimodal
+    families, :func:`~poros_lightning.quant.hf_config.checkpoint_auto_class`).
+
     Args:
-        config: HF config dict including ``model_type``.
+        config: HF config dict including ``model_type``; the text decoder's keys flat or under ``text_config``,
+            missing keys at the transformers defaults.
         device: where the weights are created and quantized (the GPU for large models).
         quantization: see :data:`poros_lightning.quant.QUANTIZATIONS`.
         lora_r: LoRA rank; ``lora_alpha`` defaults to ``2 * lora_r``.
@@ -81,10 +82,9 @@ def build_peft_model(
             builds draw different random weights; each is deterministic.
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(config)
-    model_type = cfg.pop("model_type")
+    model_type = config["model_type"]
+    auto_class = checkpoint_auto_class(model_type)
     if _blockwise(device, blockwise, config):
         from poros_lightning.quant.loader import load_random_quantized
 
@@ -95,15 +95,16 @@ def build_peft_model(
             compute_device=device,
             progress=False,
             attn_implementation=attn_implementation,
+            auto_class=auto_class,
         )
         model.to(device)
         model.train()
     else:
-        hf_config = AutoConfig.for_model(model_type, **cfg)
-        hf_config._attn_implementation = attn_implementation
+        hf = hf_config(config)
+        hf._attn_implementation = attn_implementation
         torch.manual_seed(seed)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+            model = build_from_config(auto_class, hf, dtype=torch.bfloat16)
         quantize_model(model, quantization)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()

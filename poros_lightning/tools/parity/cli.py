@@ -51,6 +51,14 @@ def load_parity_config(path: str | Path) -> dict[str, Any]:
         )
     if "model" not in raw and "model_config" not in raw:
         raise PorosConfigError(f"{path} names no model.", "Add `model: Qwen/Qwen2.5-7B` (or `model_config: {...}`).")
+    model_config = raw.get("model_config")
+    if model_config is not None and not (
+        isinstance(model_config, dict) and isinstance(model_config.get("model_type"), str)
+    ):
+        raise PorosConfigError(
+            f"model_config in {path} needs a 'model_type' string.",
+            "Write `model_config: {model_type: qwen2, ...}` with the keys of that family's config.json.",
+        )
     bad = [m for m in raw.get("modes", ["plain"]) if m not in MODES]
     if bad:
         raise PorosConfigError(f"Unknown parity modes {bad} in {path}.", f"Use modes from {', '.join(MODES)}.")

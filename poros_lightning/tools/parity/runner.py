@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
+from poros_lightning.quant.hf_config import text_config
 from poros_lightning.quant.loader import load_report
 from poros_lightning.tools.parity.build import build_peft_model
 from poros_lightning.training.compiling import compile_layers
@@ -279,7 +280,7 @@ def run_parity(
                     p.grad = None
         return net
 
-    data = token_batches(config["vocab_size"], seq_len, batch_size, steps * accum)
+    data = token_batches(int(text_config(config)["vocab_size"]), seq_len, batch_size, steps * accum)
     block_major = mode == "block_major"  # streamed arm: one batch of accum micro-batches, split block-major
     streamed_data = DataLoader(data.dataset, batch_size=batch_size * accum, shuffle=False) if block_major else data
     from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -335,7 +336,7 @@ def run_parity(
 
 
 def _num_layers(config: dict[str, Any]) -> int:
-    return int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
+    return int(text_config(config)["num_hidden_layers"])
 
 
 MIN_MEMORY = {
