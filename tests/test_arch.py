@@ -26,6 +26,7 @@ from poros_lightning.arch import (
     transformers_knows,
 )
 from poros_lightning.arch import registry as registry_module
+from poros_lightning.arch.status import gates
 from poros_lightning.errors import UnsupportedArchitectureError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,8 +140,19 @@ def test_status_json_is_valid():
     for model_type, spec in registered(include_unavailable=True).items():
         assert model_type in data, model_type
         assert spec.status in ("certified", "experimental", "target")
-        if spec.status == "certified":
-            assert spec.gate and (REPO / spec.gate).is_file(), f"{model_type}: certified without a committed gate"
+        assert (spec.status == "certified") == bool(gates(model_type)), f"{model_type}: certified iff it has gates"
+        for gate in gates(model_type):
+            path = REPO / gate.file
+            assert path.is_file(), f"{model_type}: gate {gate.file} is not committed"
+            summaries = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("summary")]
+            assert summaries, f"{gate.file} has no summary line"
+            for row in summaries:
+                assert row["equal"] and all(row["surfaces"].values()), f"{gate.file}: {row['mode']} not equal"
+                assert row["model"] == f"{gate.model} (random init)", (gate.file, row["model"])
+                assert row["scale"] == gate.scale, (gate.file, row["scale"])
+        if spec.gate is not None:
+            assert spec.gate == gates(model_type)[-1]
+            assert all(g.params <= spec.gate.params for g in gates(model_type))
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
@@ -281,16 +293,21 @@ def test_allow_unlisted_guesses_the_standard_layout_and_warns():
 
 def test_status_is_data_driven(monkeypatch):
     statuses = dict(registry_module.statuses())
+    small = {"file": "docs/validation/qwen2-small.jsonl", "model": "Qwen/Qwen2.5-0.5B", "scale": "0.5B"}
+    big = {"file": "docs/validation/qwen2.jsonl", "model": "Qwen/Qwen2.5-14B", "scale": "14B"}
     monkeypatch.setattr(
         registry_module,
         "statuses",
         lambda: {
             **statuses,
-            "llama": {"status": "target", "gate": None},
-            "qwen2": {"status": "certified", "gate": "docs/validation/qwen2.jsonl"},
+            "llama": {"status": "target", "gates": []},
+            "qwen2": {"status": "certified", "gates": [big, small]},
+            "qwen3": {"status": "experimental", "gates": []},
         },
     )
-    assert get_arch("qwen2").guarantee == "bit-identical to a resident run, gated on GPU: docs/validation/qwen2.jsonl"
+    assert get_arch("qwen2").guarantee == (
+        "bit-identical to a resident run, gated on GPU up to 14B (Qwen/Qwen2.5-14B): docs/validation/qwen2.jsonl"
+    )
     assert get_arch("qwen3").guarantee == "bit-identical on CPU parity tests in CI; no GPU gate yet"
     with pytest.raises(UnsupportedArchitectureError, match="planned but not supported yet"):
         get_arch("llama")

@@ -77,7 +77,8 @@ def test_well_known_hub_id_offline(capsys):
     assert main(["Qwen/Qwen2.5-7B-Instruct", "--seq-len", "1024", "--lora-r", "8"]) == 0
     out = capsys.readouterr().out
     assert "bundled config facts" in out and "qwen2" in out and "7.62 B" in out and "seq_len 1024" in out
-    assert "docs/validation/parity_qwen2.5-7b.jsonl" in out  # qwen2 is certified by its GPU gate
+    # qwen2 is certified by its GPU gates; check names the largest
+    assert "certified up to 72B (Qwen/Qwen2.5-72B)" in out and "docs/validation/parity_qwen2.5-72b.jsonl" in out
     assert check("smollm2").model_type == "llama"
 
 
@@ -186,8 +187,15 @@ def test_check_does_not_import_torch(tmp_path):
 
 
 def test_experimental_family_says_it_has_no_gpu_gate(capsys):
-    assert main(["mistralai/Mistral-7B-v0.3"]) == 0
+    assert main(["google/gemma-3-1b-it"]) == 0
     assert "bit-identical on CPU parity tests in CI; no GPU gate yet" in capsys.readouterr().out
+
+
+def test_certified_family_reports_its_largest_gated_scale(capsys):
+    assert main(["mistralai/Mistral-7B-v0.3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "certified" and out["certified_scale"] == "7B"
+    assert out["guarantee"].endswith("docs/validation/parity_mistral-7b.jsonl")
 
 
 def test_vram_budget_shows_the_planners_choice(capsys):

@@ -133,3 +133,13 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert command in ci
     installs = [line for line in ci if "pip install" in line and not line.startswith("#")]
     assert installs == [command], f".ci/run installs what the README does not say: {installs}"
+
+
+def test_the_support_table_is_generated_from_the_artifacts() -> None:
+    """docs/architecture-support.md shows what status.json, the gate files and the bench rows say."""
+    from poros_lightning.tools.support_table import render
+
+    text = (ROOT / "docs" / "architecture-support.md").read_text()
+    assert render(ROOT) in text, (
+        "regenerate: python -m poros_lightning.tools.support_table --write docs/architecture-support.md"
+    )

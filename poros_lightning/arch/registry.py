@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from poros_lightning.arch.status import guarantee, statuses
+from poros_lightning.arch.status import Gate, guarantee, largest_gate, statuses
 from poros_lightning.errors import UnsupportedArchitectureError
 
 __all__ = [
@@ -58,7 +58,6 @@ MOE_MODEL_TYPES: frozenset[str] = frozenset({
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-
 class UnlistedArchitectureWarning(UserWarning):
     """An unregistered ``model_type`` is used through ``allow_unlisted=True`` with a guessed layout."""
 
@@ -77,7 +76,7 @@ class ArchSpec:
         lora_targets: names of the linear layers inside a decoder layer that LoRA adapts by default.
         status: ``"certified"``, ``"experimental"`` or ``"target"``.
         notes: what is and is not supported for this model type.
-        gate: the committed GPU parity gate under ``docs/validation/`` for certified entries.
+        gate: the committed GPU parity gate at the largest scale, for certified entries (all: ``status.gates``).
         guessed: True when the layout was guessed for an unlisted model type.
         body: dotted path of the module the HF forward calls for the final hidden states (its first output),
             to which it then applies the head.
@@ -95,7 +94,7 @@ class ArchSpec:
     lora_targets: tuple[str, ...]
     status: Status
     notes: str = ""
-    gate: str | None = None
+    gate: Gate | None = None
     guessed: bool = False
     body: str = "model"
     logit_softcap: bool = False
@@ -243,7 +242,7 @@ def transformers_knows(model_type: str) -> bool | None:
 
 
 def _spec(model_type: str, entry: _Entry) -> ArchSpec:
-    state = statuses().get(model_type, {"status": "target", "gate": None})
+    state = statuses().get(model_type, {"status": "target", "gates": []})
     return ArchSpec(
         model_type=model_type,
         family=entry.family,
@@ -254,7 +253,7 @@ def _spec(model_type: str, entry: _Entry) -> ArchSpec:
         lora_targets=entry.lora_targets,
         status=state["status"],
         notes=entry.notes,
-        gate=state.get("gate"),
+        gate=largest_gate(model_type, {model_type: state}),
         logit_softcap=entry.logit_softcap,
     )
 

@@ -39,7 +39,7 @@ def hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
 
         raise PorosConfigError(
             f"transformers {transformers.__version__} does not know model_type {model_type!r}.",
-            "Check the spelling of model_type (`poros-lightning check --list` shows the registered families), "
+            "Check the spelling of model_type (docs/architecture-support.md lists the registered families), "
             "or upgrade transformers if the family is newer than it.",
         )
     try:
@@ -48,7 +48,7 @@ def hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
         raise PorosConfigError(
             f"transformers cannot build a {model_type!r} config from the keys {sorted(cfg)}: {err}",
             "Use a model_type the installed transformers knows and keys of its config class "
-            "(`poros-lightning check --list` shows the registered families).",
+            "(docs/architecture-support.md lists the registered families).",
         ) from err
 
 

@@ -101,7 +101,13 @@ class CheckResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (used by ``--json``)."""
         out = dataclasses.asdict(self)
-        out.update(family=self.family, status=self.status, guarantee=self.guarantee)
+        gate = self.spec.gate if self.spec else None
+        out.update(
+            family=self.family,
+            status=self.status,
+            guarantee=self.guarantee,
+            certified_scale=gate.scale if gate else None,
+        )
         return out
 
 
@@ -339,7 +345,9 @@ def format_check(result: CheckResult) -> str:
     assert spec is not None and plan is not None
     lines += [
         f"family          {spec.family}",
-        f"status          {spec.status}" + (" (layout guessed)" if spec.guessed else ""),
+        f"status          {spec.status}"
+        + (f" up to {spec.gate.scale} ({spec.gate.model})" if spec.gate else "")
+        + (" (layout guessed)" if spec.guessed else ""),
         f"guarantee       {spec.guarantee}",
         f"parameters      {_params(plan.params_total)}",
         f"LoRA            r={plan.lora_r} on {', '.join(spec.lora_targets)}: {plan.lora_params:,} parameters",

@@ -289,7 +289,8 @@ def run_parity(
     ref = run_arm(SingleDeviceStrategy(device), build, data, steps=steps, accumulate=accum, compile=mode == "compile")
     t1 = time.perf_counter()
     got = run_arm(
-        PorosStrategy(
+        PorosStrategy(  # the gate runs the options it names, not a plan for the card
+            vram_budget="off",
             block_size=block_size,
             prefetch=prefetch,
             micro_batches=accum if block_major else 1,
