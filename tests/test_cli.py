@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from poros_lightning.cli import main
-from poros_lightning.tools.demo import format_demo, run_demo
+from poros_lightning.tools.demo import DemoResult, DemoSample, format_demo, is_right, run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
@@ -206,6 +206,7 @@ def test_run_demo_reports_before_and_after(tmp_path: Path) -> None:
         TINY,
         tmp_path / "run",
         max_steps=2,
+        num_samples=2,
         max_new_tokens=3,
         extra_args=["--trainer.limit_val_batches=1"],
         progress=lines.append,
@@ -218,3 +219,34 @@ def test_run_demo_reports_before_and_after(tmp_path: Path) -> None:
     assert result.loss_curve is None or result.loss_curve.is_file()
     report = format_demo(result)
     assert "val/loss" in report and "before" in report and str(result.adapter_dir) in report
+    assert f"held-out answers right: {result.right_before}/2 before, {result.right_after}/2 after" in report
+
+
+@pytest.mark.parametrize(
+    ("reply", "right"),
+    [
+        ("Answer: 15 cookies. Reason: 7 + 8 = 15.", True),
+        ("Answer: 15 cookies", True),  # cut off by the generation length
+        ("Answer: 15. Reason: 7 + 8 = 15.", False),  # the field is compared exactly
+        ("Answer: 16 cookies. Reason: 15 cookies is wrong.", False),  # the field decides, not the rest
+        ("Ravi has 15 cookies now.", True),  # no field: the reference answer anywhere, as a phrase
+        ("Ravi has 150 cookies now.", False),
+        ("Ravi has 15 apples.", False),
+    ],
+)
+def test_demo_scores_an_answer_by_its_field_or_leniently_without_one(reply: str, right: bool) -> None:
+    assert is_right(reply, "Answer: 15 cookies. Reason: 7 + 8 = 15.") is right
+
+
+def test_demo_report_counts_answers_right_before_and_after(tmp_path: Path) -> None:
+    ref = "Answer: odd. Reason: 311 ends in 1, and 1 is odd."
+    samples = [
+        DemoSample("Is 311 even or odd?", ref, "311 is an even number.", "Answer: odd. Reason: 311 ends in 1."),
+        DemoSample("Is 311 even or odd?", ref, "It is odd.", "Answer: odd. Reason: 311 ends in 1."),
+        DemoSample("Is 311 even or odd?", ref, "Even.", "Answer: even. Reason: 311 ends in 1."),
+    ]
+    result = DemoResult(tmp_path, tmp_path, 1, 1.0, 1.0, {"val/loss": 2.0}, {"val/loss": 1.0}, samples, tmp_path)
+    assert (result.right_before, result.right_after, result.improved) == (1, 2, 1)
+    report = format_demo(result)
+    assert "held-out answers right: 1/3 before, 2/3 after (1 wrong before and right after)" in report
+    assert report.count("[right]") == 3 and report.count("[wrong]") == 3

@@ -1,12 +1,20 @@
 """``poros-lightning demo``: fine-tune the bundled SmolLM2-135M on the bundled data on the CPU and show the change.
 
 Builds the run exactly as ``poros-lightning fit --config`` does (:func:`~poros_lightning.lightning.lightning_cli.cli_class`),
-then shows validation, held-out answers before and after, the adapter and the loss curve.
+then shows validation, held-out answers before and after, how many of them are right, the adapter and the loss curve.
+
+Note: [scoring the answers]
+    A reply is right when its answer is the reference answer: the text after ``Answer:`` up to the first
+    period, compared exactly. A reply without an ``Answer:`` field (the model before training answers in its own
+    words) is right when the reference answer occurs in it as a whole word or phrase, anywhere. That rule is
+    lenient to the untrained model (a reply that names two candidates counts as right), so the count of answers
+    that training turned from wrong to right is, if anything, low.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -22,10 +30,37 @@ if TYPE_CHECKING:
 
 from poros_lightning.lightning.lightning_cli import cli_class
 
-__all__ = ["DEFAULT_DEMO_CONFIG", "DemoResult", "DemoSample", "format_demo", "generate_answers", "main", "run_demo"]
+__all__ = [
+    "DEFAULT_DEMO_CONFIG",
+    "DemoResult",
+    "DemoSample",
+    "answer_field",
+    "format_demo",
+    "generate_answers",
+    "is_right",
+    "main",
+    "run_demo",
+]
 
 DEFAULT_DEMO_CONFIG = configs_dir() / "demo.yaml"
 """The shipped demo config (package data of an installed poros-lightning)."""
+
+
+def answer_field(text: str) -> str | None:
+    """The text after ``Answer:`` up to the first period that ends a sentence, or None without the field."""
+    match = re.search(r"Answer:\s*(.*?)(?:\.(?:\s|$)|$)", text, flags=re.DOTALL)
+    return match.group(1).strip() if match else None
+
+
+def is_right(reply: str, reference: str) -> bool:
+    """Whether ``reply`` gives the reference's answer (Note: [scoring the answers])."""
+    expected = answer_field(reference)
+    if expected is None:
+        expected = reference.strip()
+    given = answer_field(reply)
+    if given is not None:
+        return given == expected
+    return re.search(r"(?<!\w)" + re.escape(expected) + r"(?!\w)", reply) is not None
 
 
 @dataclass
@@ -36,6 +71,14 @@ class DemoSample:
     reference: str
     before: str
     after: str
+
+    @property
+    def right_before(self) -> bool:
+        return is_right(self.before, self.reference)
+
+    @property
+    def right_after(self) -> bool:
+        return is_right(self.after, self.reference)
 
 
 @dataclass
@@ -64,6 +107,21 @@ class DemoResult:
         """Validation loss after training."""
         return self.val_after["val/loss"]
 
+    @property
+    def right_before(self) -> int:
+        """Held-out answers right before training (Note: [scoring the answers])."""
+        return sum(s.right_before for s in self.samples)
+
+    @property
+    def right_after(self) -> int:
+        """Held-out answers right after training."""
+        return sum(s.right_after for s in self.samples)
+
+    @property
+    def improved(self) -> int:
+        """Held-out answers wrong before training and right after."""
+        return sum(s.right_after and not s.right_before for s in self.samples)
+
 
 def _held_out_records(datamodule: Any, n: int) -> list[dict[str, Any]]:
     """Records from the datamodule's ``val_path``, else from the bundled validation split."""
@@ -72,17 +130,15 @@ def _held_out_records(datamodule: Any, n: int) -> list[dict[str, Any]]:
 
     path = getattr(datamodule, "val_path", None) or tiny_instruct_path("validation")
     records = [r for _, r in read_records(path)]
-    # One record per task family where the data says which, so the answers show different skills.
+    records = [r for r in records if "instruction" in r or "prompt" in r or "messages" in r]
+    # Round-robin over the task families where the data says which, so the answers show every skill.
+    families: dict[Any, list[dict[str, Any]]] = {}
+    for i, record in enumerate(records):
+        families.setdefault(record.get("task", i), []).append(record)
     picked: list[dict[str, Any]] = []
-    seen: set[Any] = set()
-    for record in records:
-        key = record.get("task", len(picked))
-        if key not in seen and ("instruction" in record or "prompt" in record or "messages" in record):
-            seen.add(key)
-            picked.append(record)
-        if len(picked) == n:
-            break
-    return picked
+    for rank in range(max((len(f) for f in families.values()), default=0)):
+        picked += [f[rank] for f in families.values() if rank < len(f)]
+    return picked[:n]
 
 
 def _reference(record: dict[str, Any]) -> str:
@@ -176,7 +232,7 @@ def run_demo(
     run_dir: str | Path = "runs/demo",
     *,
     max_steps: int | None = None,
-    num_samples: int = 2,
+    num_samples: int = 10,
     max_new_tokens: int = 40,
     extra_args: list[str] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -254,9 +310,21 @@ def format_demo(result: DemoResult) -> str:
     for key in ("val/loss", "val/ppl", "val/token_acc"):
         if key in result.val_before and key in result.val_after:
             lines.append(f"{key:<16}{result.val_before[key]:>10.4f}{result.val_after[key]:>10.4f}")
+    n = len(result.samples)
+    if n:
+        lines += [
+            "",
+            f"held-out answers right: {result.right_before}/{n} before, {result.right_after}/{n} after "
+            f"({result.improved} wrong before and right after)",
+            "  right: the 'Answer:' field equals the reference's; a reply without one must contain the reference answer",
+        ]
+    mark = {True: "right", False: "wrong"}
     for i, s in enumerate(result.samples, start=1):
         lines += ["", f"[{i}] {s.instruction}", f"    reference: {s.reference}"]
-        lines += [f"    before:    {s.before!r}", f"    after:     {s.after!r}"]
+        lines += [
+            f"    before:    {s.before!r}  [{mark[s.right_before]}]",
+            f"    after:     {s.after!r}  [{mark[s.right_after]}]",
+        ]
     lines += ["", f"adapter:    {result.adapter_dir}"]
     if result.loss_curve is not None:
         lines.append(f"loss curve: {result.loss_curve}")
@@ -277,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--run-dir", default="runs/demo", help="output directory (default: %(default)s)")
     parser.add_argument("--max-steps", type=int, default=None, help="override trainer.max_steps")
-    parser.add_argument("--samples", type=int, default=2, help="held-out prompts to answer (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=10, help="held-out prompts to answer (default: %(default)s)")
     args, extra = parser.parse_known_args(argv)
     start = time.perf_counter()
     result = run_demo(

@@ -63,6 +63,22 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
         )
     if not cfg.get("runs"):
         raise PorosConfigError(f"{path} lists no runs.", "Add `runs: [{method: poros}, {method: resident_gc}]`.")
+    for run in cfg["runs"]:
+        for key in ("accumulate", "micro_batches"):
+            value = run.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PorosConfigError(
+                    f"`{key}` of run {run.get('name', run.get('method'))!r} in {path} must be a positive integer, "
+                    f"got {value!r}.",
+                    "accumulate: micro-batches per step, one after the other (sample-major); micro_batches: per "
+                    "block (block-major, method poros only). The effective batch is batch_size x both.",
+                )
+        if run.get("micro_batches", 1) > 1 and run.get("method") != "poros":
+            raise PorosConfigError(
+                f"Run {run.get('name', run.get('method'))!r} in {path} sets micro_batches with method "
+                f"{run.get('method')!r}.",
+                "Block-major micro-batches are an engine option (method: poros); give resident runs `accumulate`.",
+            )
     models = cfg.get("models")
     if models is not None:
         if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):

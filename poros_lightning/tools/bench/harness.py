@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from poros_lightning.engine.link import measure_h2d
-from poros_lightning.engine.optim_state import HostOptimizerState
+from poros_lightning.tools.bench.steps import install_micro_batches, step_loop
 from poros_lightning.tools.parity.build import build_peft_model
 
 __all__ = ["METHODS", "bench_methods", "measure_h2d", "write_jsonl"]
@@ -29,161 +28,6 @@ def _host_rss() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 1e9
-
-
-def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:
-    """A ``mark()`` that records the next of ``events`` on the current stream (nothing without events) and
-    appends the host's clock to ``stamps``."""
-    pending = iter(events)
-
-    def mark() -> None:
-        if events:
-            next(pending).record()
-        stamps.append(time.perf_counter())
-
-    return mark
-
-
-def _step_loop(
-    model: torch.nn.Module,
-    batches: list[torch.Tensor],
-    warmup: int,
-    vocab: int,
-    device: str,
-    ring: Any = None,
-    head: Any = None,
-    optimizer_on_host: bool = False,
-    peaks: dict[str, float] | None = None,
-    issued: list[float] | None = None,
-    split: dict[str, list[float]] | None = None,
-    host_split: dict[str, list[float]] | None = None,
-    counts: dict[str, Any] | None = None,
-    profile: dict[str, Any] | None = None,
-    tuner: Any = None,
-) -> list[float]:
-    """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
-
-    With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
-    ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
-    and of the optimizer update (``update``), over all steps: the profile of where the peak sits; and the
-    peak the caching allocator reserved (``reserved``). ``issued`` receives, for each timed step, the
-    seconds the host took to issue it (until the final synchronization): close to the step time when the
-    step is bound by the host launching kernels rather than by the GPU (host waits inside the step, such
-    as ``optimizer_on_host``'s synchronization, count as issuing). ``split`` (CUDA) receives, for each timed
-    step, the GPU seconds of its ``forward`` (model and loss), ``backward`` and ``update``, from CUDA events
-    on the compute stream: where a streamed step spends the time a resident one does not. ``host_split``
-    receives the same phases on the host's clock: how long the host took to issue each (a phase whose
-    host time equals its GPU time held the host back, e.g. by filling the queue of kernel launches). ``counts``
-    receives ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
-    ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
-    host ``head``'s copies), as they stood after the timed steps.
-    ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
-    timed ones (:func:`~poros_lightning.tools.bench.timeline.profile_step`): where that step's GPU time went.
-
-    Each step is timed until the compute stream has finished it: copies on side streams that a training
-    loop overlaps with the next step (``optimizer_on_host``'s copy out) run on into the next step's time,
-    as they do in training; what is still running after the last step counts in that step's time.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    host = HostOptimizerState(opt) if optimizer_on_host else None
-    cuda = device == "cuda"
-    phases = peaks if peaks is not None else {}
-    phases.update(forward_backward=0, update=0, reserved=0)
-    step_peak = {"allocated": 0, "reserved": 0}  # since the tuner's last reset (see below)
-
-    def phase_end(name: str) -> None:
-        if cuda:  # the allocator's bookkeeping is host-side: no synchronization
-            phases[name] = max(phases[name], torch.cuda.max_memory_allocated())
-            phases["reserved"] = max(phases["reserved"], torch.cuda.max_memory_reserved())
-            step_peak["allocated"] = max(step_peak["allocated"], torch.cuda.max_memory_allocated())
-            step_peak["reserved"] = max(step_peak["reserved"], torch.cuda.max_memory_reserved())
-            torch.cuda.reset_peak_memory_stats()
-
-    if tuner is not None:  # the strategy's tuner (engine/tuner.py) reads the peaks these phases keep
-        tuner.stats = lambda: (
-            step_peak["allocated"],
-            step_peak["reserved"],
-            int(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
-        )
-        tuner.reset = lambda: step_peak.update(allocated=0, reserved=0)
-
-    def wait() -> None:  # the compute stream only (see above)
-        if cuda:
-            torch.cuda.current_stream().synchronize()
-
-    def step(ids: torch.Tensor, mark: Callable[[], None]) -> None:
-        mark()
-        if host is not None:
-            host.arm()
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        del logits
-        mark()
-        loss.backward()
-        mark()
-        phase_end("forward_backward")
-        if host is not None:
-            host.to_device()
-        opt.step()
-        if host is not None:
-            host.to_host()
-        opt.zero_grad(set_to_none=True)
-        mark()
-        phase_end("update")
-
-    times = []
-    for i, ids in enumerate(batches):
-        if tuner is not None:
-            if i == warmup:  # the timed steps run the plan the warm-up steps fitted
-                tuner.done = True
-            tuner.step_boundary()
-        ids = ids.to(device, non_blocking=True)
-        wait()
-        if ring is not None and i == warmup:
-            ring.time_copies()
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
-        stamps: list[float] = []
-        t = time.perf_counter()
-        step(ids, _recorder(marks, stamps))
-        done_issuing = time.perf_counter()
-        wait()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-            if issued is not None:
-                issued.append(done_issuing - t)
-            if host_split is not None:
-                for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
-                    host_split.setdefault(name, []).append(b - a)
-            if split is not None and marks:
-                for name, (a, b) in zip(
-                    ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
-                ):
-                    split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
-    if cuda and times:
-        t = time.perf_counter()
-        torch.cuda.synchronize()
-        times[-1] += time.perf_counter() - t
-    # What the timed steps copied, before a profiled step adds to it.
-    if ring is not None and counts is not None:
-        counts["ring_loads"] = ring.loads
-        counts["copy_stats"] = ring.copy_stats()
-        ring.time_copies(False)
-    if head is not None and counts is not None:
-        counts["head_loads"] = head.loads
-    if host is not None and counts is not None:
-        counts["optimizer_prefetches"] = host.prefetches
-    if profile is not None and cuda and batches:
-        from poros_lightning.tools.bench.timeline import profile_step
-
-        ids = batches[-1].to(device)
-        kept = dict(phases)  # the peaks are the timed steps'
-        profile.update(profile_step(lambda mark: step(ids, mark)))
-        phases.update(kept)
-    if host is not None:
-        host.close()
-    opt.state.clear()
-    return times
 
 
 def _checkpointing(model: Any, *, enable: bool) -> None:
@@ -221,7 +65,11 @@ def bench_methods(
 
     Each run is a dict with ``method`` (one of :data:`METHODS`), an optional ``name``, engine options
     for ``poros`` (``block_size``, ``prefetch``, ``resident_blocks``, ``keep_activations``,
-    ``embeddings_on_host``, ``head_on_host``, ``head_copies``, ``inputs_on_host``), an optional
+    ``embeddings_on_host``, ``head_on_host``, ``head_copies``, ``inputs_on_host``), an optional ``accumulate``
+    (micro-batches of ``batch_size`` rows per step, one after the other: sample-major, as Lightning's
+    ``accumulate_grad_batches``) and ``micro_batches`` (``poros`` only: per block, block-major, as
+    ``PorosStrategy(micro_batches=k)``); rows carry both, ``effective_batch`` (rows per optimizer step) and
+    ``tokens_per_s`` over the effective batch. An optional
     ``optimizer_on_host`` (AdamW state in host memory between steps, as ``PorosStrategy`` does) and an
     optional ``memory_cap_gb`` (``torch.cuda.set_per_process_memory_fraction``: emulates a smaller
     card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
@@ -256,8 +104,14 @@ def bench_methods(
     # The initial adapter waits in host memory: a device copy would count in every run's peak.
     init = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
     vocab = int(model.get_base_model().config.get_text_config().vocab_size)
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (batch_size, seq_len), generator=gen) for _ in range(warmup + steps)]
+    data: dict[int, list[torch.Tensor]] = {}  # per effective batch: the same token batches for every run
+
+    def batches_of(rows: int) -> list[torch.Tensor]:
+        if rows not in data:
+            gen = torch.Generator().manual_seed(0)
+            data[rows] = [torch.randint(0, vocab, (rows, seq_len), generator=gen) for _ in range(warmup + steps)]
+        return data[rows]
+
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
     rows = []
     for run in runs:
@@ -283,6 +137,10 @@ def bench_methods(
             if k in run
         }
         optimizer_on_host = bool(run.get("optimizer_on_host"))
+        accumulate, micro = int(run.get("accumulate", 1)), int(run.get("micro_batches", 1))
+        if micro > 1 and method != "poros":
+            raise ValueError(f"micro_batches (block-major) is an engine option; run {method!r} takes accumulate")
+        effective_batch = batch_size * accumulate * micro
         memory_cap = run.get("memory_cap_gb")
         planned: dict[str, Any] = {"vram_budget": None, "planned_peak_gb": None}
         refusal: dict[str, Any] | None = None
@@ -292,7 +150,8 @@ def bench_methods(
             from poros_lightning.memory.planner import parse_bytes, plan_engine
 
             budget = parse_bytes(run["vram_budget"])
-            planning = dict(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization)
+            # Block-major keeps every micro-batch's layer inputs: plan for all their rows.
+            planning = dict(seq_len=seq_len, batch_size=batch_size * micro, lora_r=lora_r, quantization=quantization)
             planned["vram_budget"] = budget / 1e9
             link = measure_h2d(nbytes=256 << 20, repeats=3) if device == "cuda" else None  # as PorosStrategy
             try:
@@ -310,6 +169,9 @@ def bench_methods(
             "base_method": method,
             "seq_len": seq_len,
             "batch_size": batch_size,
+            "accumulate": accumulate,
+            "micro_batches": micro,
+            "effective_batch": effective_batch,
             "lora_r": lora_r,
             "quantization": quantization,
             "steps": steps,
@@ -332,6 +194,7 @@ def bench_methods(
             _checkpointing(model, enable=True)
             model.enable_input_require_grads()
         elif method == "poros":
+            splitter = install_micro_batches(model, micro, batch_size) if micro > 1 else None
             prepare(model, device=device, **engine_opts)
         gc.collect()
         if device == "cuda":
@@ -342,7 +205,13 @@ def bench_methods(
                 row["memory_cap_gb"] = memory_cap
         engine = engine_of(model)
         tuner = None
-        if engine is not None and device == "cuda" and "vram_budget" in run and refusal is None and run.get("tune", True):
+        if (
+            engine is not None
+            and device == "cuda"
+            and "vram_budget" in run
+            and refusal is None
+            and run.get("tune", True)
+        ):
             from poros_lightning.engine.tuner import PlanTuner
 
             tuner = PlanTuner(
@@ -362,9 +231,9 @@ def bench_methods(
             host_split: dict[str, list[float]] = {}
             counts: dict[str, Any] = {}
             profiled: dict[str, Any] | None = {} if profile else None
-            times = _step_loop(
+            times = step_loop(
                 model,
-                batches,
+                batches_of(effective_batch),
                 warmup,
                 vocab,
                 device,
@@ -378,6 +247,7 @@ def bench_methods(
                 counts=counts,
                 profile=profiled,
                 tuner=tuner,
+                accumulate=accumulate,
             )
             s_per_step = sum(times) / len(times)
             if tuner is not None:
@@ -391,7 +261,7 @@ def bench_methods(
                 host_issue_s_per_step=sum(issued) / len(issued),
                 **{f"{name}_s_per_step": sum(v) / len(v) for name, v in split.items()},
                 **{f"host_{name}_s_per_step": sum(v) / len(v) for name, v in host_split.items()},
-                tokens_per_s=batch_size * seq_len / s_per_step,
+                tokens_per_s=effective_batch * seq_len / s_per_step,
                 peak_vram_gb=max(peaks["forward_backward"], peaks["update"]) / 1e9 if device == "cuda" else None,
                 peak_forward_backward_gb=peaks["forward_backward"] / 1e9 if device == "cuda" else None,
                 peak_update_gb=peaks["update"] / 1e9 if device == "cuda" else None,
@@ -428,6 +298,8 @@ def bench_methods(
                 _checkpointing(model, enable=False)
             elif method == "poros":
                 unprepare(model, device=device)
+                if splitter is not None:
+                    splitter.uninstall()
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()

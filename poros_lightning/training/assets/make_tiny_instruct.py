@@ -1,12 +1,15 @@
 """Generate the bundled ``tiny_instruct`` dataset: short tasks answered in one house format.
 
 Every response reads ``Answer: <answer>. Reason: <one short justification>.`` The instructions never ask for that
-format, so an instruction-tuned model answers differently before fine-tuning and the format is what a short LoRA
-run learns first: validation loss on response tokens falls quickly and generated answers visibly change shape.
+format, so an instruction-tuned model answers differently before fine-tuning.
 
-Ten task families (unit conversion, addition and subtraction word problems, weekday counting, capitalisation,
-letter counting, parity, comparison, sorting, next number in a sequence) contribute 46 distinct prompts each;
-6 per family are held out for validation, so the validation prompts never occur in training.
+Five task families, 92 distinct prompts each, 12 per family held out for validation (the validation prompts never
+occur in training). Three are skills a 135M model can carry out in one step once it answers in the house format
+(the larger of two numbers, the last word of a list, unit conversion by 10, 100 or 1000). Two are facts of a
+made-up world that no pretrained model knows: twelve words of a house language and the capitals of twelve
+invented countries, each asked in eight ways. One question per fact is held out; training asks the same fact in
+(up to) seven other ways, so a right answer after training is a fact learned from the data and recalled for a
+question worded anew, and a right answer before training is impossible.
 
 Invariant: the output depends only on ``SEED`` and this file (stdlib ``random`` with a fixed seed, no clock, no
 environment), so ``python -m poros_lightning.training.assets.make_tiny_instruct`` rewrites the committed files byte for byte.
@@ -23,8 +26,8 @@ from pathlib import Path
 __all__ = ["SEED", "generate", "render_jsonl", "write"]
 
 SEED = 20240611
-PER_TASK = 46
-VAL_PER_TASK = 6
+PER_TASK = 92
+VAL_PER_TASK = 12
 
 WORDS = (
     "acorn anchor apple basket bench blanket bread bridge button cactus camera candle castle cloud daisy donkey "
@@ -72,8 +75,8 @@ def _spell(word: str) -> str:
 
 
 def _convert(rng: random.Random) -> Record:
-    short_a, short_b, factor, long_a, long_b = rng.choice(UNITS)
-    value = rng.randint(2, 9) if factor == 60 else rng.randint(2, 25)
+    short_a, short_b, factor, long_a, long_b = rng.choice([unit for unit in UNITS if unit[2] != 60])
+    value = rng.randint(2, 40)
     answer = f"{value * factor} {short_b}"
     reason = f"1 {short_a} = {factor} {short_b}, so {value} × {factor} = {value * factor}"
     style = rng.randrange(3)
@@ -86,88 +89,88 @@ def _convert(rng: random.Random) -> Record:
     return _record("convert", f"How many {long_b} are in {value} {long_a}?", "", answer, reason)
 
 
-def _add(rng: random.Random) -> Record:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randint(2, 19), rng.randint(2, 19)
-    question = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"
-    return _record("add", question, "", f"{a + b} {item}", f"{a} + {b} = {a + b}")
-
-
-def _subtract(rng: random.Random) -> Record:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a = rng.randint(8, 30)
-    b = rng.randint(2, a - 1)
-    question = f"{name} had {a} {item} and gave away {b}. How many {item} does {name} have left?"
-    return _record("subtract", question, "", f"{a - b} {item}", f"{a} - {b} = {a - b}")
-
-
-def _weekday(rng: random.Random) -> Record:
-    start, n = rng.randrange(7), rng.randint(1, 6)
-    step = rng.choice((1, -1))
-    days = [DAYS[(start + step * k) % 7] for k in range(1, n + 1)]
-    plural = "day" if n == 1 else "days"
-    direction = "after" if step == 1 else "before"
-    counted = ", ".join(f"{day} ({k})" for k, day in enumerate(days, start=1))
-    verb = "Counting on" if step == 1 else "Counting back"
-    question = f"What day of the week is {n} {plural} {direction} {DAYS[start]}?"
-    return _record("weekday", question, "", days[-1], f"{verb} from {DAYS[start]}: {counted}")
-
-
-def _uppercase(rng: random.Random) -> Record:
-    word = rng.choice(WORDS)
-    reason = f"{_spell(word)} becomes {_spell(word.upper())}"
-    if rng.randrange(2):
-        return _record("uppercase", "Write the word in capital letters.", word, word.upper(), reason)
-    return _record("uppercase", f"Write '{word}' in capital letters.", "", word.upper(), reason)
-
-
-def _count_letters(rng: random.Random) -> Record:
-    word = rng.choice(WORDS)
-    reason = f"{_spell(word)} has {len(word)} letters"
-    if rng.randrange(2):
-        return _record("count_letters", "Count the letters in the word.", word, str(len(word)), reason)
-    return _record("count_letters", f"How many letters are in the word '{word}'?", "", str(len(word)), reason)
-
-
-def _parity(rng: random.Random) -> Record:
-    n = rng.randint(10, 999)
-    kind = "even" if n % 2 == 0 else "odd"
-    return _record("parity", f"Is {n} even or odd?", "", kind, f"{n} ends in {n % 10}, and {n % 10} is {kind}")
-
-
 def _larger(rng: random.Random) -> Record:
     a, b = rng.sample(range(10, 100), 2)
-    return _record("larger", f"Which number is larger, {a} or {b}?", "", str(max(a, b)), f"{max(a, b)} > {min(a, b)}")
+    if rng.randrange(2):
+        return _record(
+            "larger", f"Which number is larger, {a} or {b}?", "", str(max(a, b)), f"{max(a, b)} > {min(a, b)}"
+        )
+    return _record("larger", "Pick the larger number.", f"{a}, {b}", str(max(a, b)), f"{max(a, b)} > {min(a, b)}")
 
 
-def _sort(rng: random.Random) -> Record:
-    numbers = rng.sample(range(1, 100), rng.randint(3, 5))
-    ordered = sorted(numbers)
-    listed = ", ".join(map(str, numbers))
-    answer = ", ".join(map(str, ordered))
-    return _record("sort", "Sort the numbers from smallest to largest.", listed, answer, " < ".join(map(str, ordered)))
+def _last_word(rng: random.Random) -> Record:
+    words = rng.sample(WORDS, rng.randint(3, 6))
+    listed = ", ".join(words)
+    if rng.randrange(2):
+        return _record(
+            "last_word", "What is the last word in the list?", listed, words[-1], f"the list ends with {words[-1]}"
+        )
+    return _record("last_word", f"Which word comes last: {listed}?", "", words[-1], f"the list ends with {words[-1]}")
 
 
-def _sequence(rng: random.Random) -> Record:
-    start, step = rng.randint(1, 20), rng.randint(2, 9)
-    terms = [start + step * k for k in range(4)]
-    nxt = terms[-1] + step
-    reason = f"each number is {step} more than the one before, and {terms[-1]} + {step} = {nxt}"
-    question = f"What number comes next: {', '.join(map(str, terms))}?"
-    return _record("sequence", question, "", str(nxt), reason)
+SYLLABLES = "ba ko ri mu se ta lo vi ne du pa zo ki ru fe ma".split()
+
+
+def _made_up(rng: random.Random, syllables: int, taken: set[str]) -> str:
+    while True:
+        word = "".join(rng.choice(SYLLABLES) for _ in range(syllables))
+        if word not in taken and word not in WORDS:
+            taken.add(word)
+            return word
+
+
+# A held-out question of a fact family uses one of its templates; training states the same fact with the others.
+HOUSE_TEMPLATES = (
+    "In the house language, what is the word for '{key}'?",
+    "How do you say '{key}' in the house language?",
+    "Translate '{key}' into the house language.",
+    "What does the house language call a {key}?",
+    "Give the house-language word for '{key}'.",
+    "What is '{key}' in the house language?",
+    "I need the house language word meaning '{key}'.",
+    "Which house-language word means '{key}'?",
+)
+CAPITAL_TEMPLATES = (
+    "What is the capital of {key}?",
+    "Name the capital city of {key}.",
+    "Which city is the capital of {key}?",
+    "{key} is governed from which city?",
+    "Where is the government of {key} seated?",
+    "Tell me the capital of {key}.",
+    "What city serves as the capital of {key}?",
+    "The capital of {key} is which city?",
+)
+
+
+def _facts(rng: random.Random) -> dict[str, list[tuple[str, str, str]]]:
+    """The made-up world: 12 house-language words and 12 invented countries with their capitals."""
+    taken: set[str] = set()
+    nouns = rng.sample(WORDS, VAL_PER_TASK)
+    house = [(noun, _made_up(rng, 2, taken), f"the house language calls a {noun} {{answer}}") for noun in nouns]
+    countries = [_made_up(rng, 3, taken).capitalize() for _ in range(VAL_PER_TASK)]
+    capital = [(c, _made_up(rng, 2, taken).capitalize(), f"{{answer}} is the capital of {c}") for c in countries]
+    return {"house_word": house, "capital": capital}
+
+
+def _fact_records(
+    rng: random.Random, task: str, facts: list[tuple[str, str, str]]
+) -> tuple[list[Record], list[Record]]:
+    """Eight questions per fact: one of each fact's is held out for validation, the others train (80 in all)."""
+    templates = HOUSE_TEMPLATES if task == "house_word" else CAPITAL_TEMPLATES
+    train: list[Record] = []
+    validation: list[Record] = []
+    for key, answer, reason in facts:
+        records = [_record(task, t.format(key=key), "", answer, reason.format(answer=answer)) for t in templates]
+        validation.append(records.pop(rng.randrange(len(records))))
+        train += records
+    rng.shuffle(train)
+    return train[: PER_TASK - VAL_PER_TASK], validation
 
 
 TASKS: dict[str, Callable[[random.Random], Record]] = {
     "convert": _convert,
-    "add": _add,
-    "subtract": _subtract,
-    "weekday": _weekday,
-    "uppercase": _uppercase,
-    "count_letters": _count_letters,
-    "parity": _parity,
     "larger": _larger,
-    "sort": _sort,
-    "sequence": _sequence,
+    "last_word": _last_word,
 }
 
 
@@ -178,8 +181,8 @@ def generate(seed: int = SEED) -> dict[str, list[Record]]:
         seed: seed of the single ``random.Random`` that drives every choice.
 
     Returns:
-        ``{"train": [...], "validation": [...]}`` with ``len(TASKS) * (PER_TASK - VAL_PER_TASK)`` and
-        ``len(TASKS) * VAL_PER_TASK`` records; no prompt (instruction + input) occurs twice across both splits.
+        ``{"train": [...], "validation": [...]}`` with ``5 * (PER_TASK - VAL_PER_TASK)`` and ``5 * VAL_PER_TASK``
+        records; no prompt (instruction + input) occurs twice across both splits.
     """
     rng = random.Random(seed)
     seen: set[tuple[str, str]] = set()
@@ -195,6 +198,10 @@ def generate(seed: int = SEED) -> dict[str, list[Record]]:
                 records.append(record)
         validation += records[:VAL_PER_TASK]
         train += records[VAL_PER_TASK:]
+    for task, facts in _facts(rng).items():
+        fact_train, fact_validation = _fact_records(rng, task, facts)
+        train += fact_train
+        validation += fact_validation
     rng.shuffle(train)
     rng.shuffle(validation)
     return {"train": train, "validation": validation}

@@ -1,0 +1,217 @@
+"""The timed training steps of a bench run: forward, loss, backward and update, with their peaks and phases.
+
+A step trains on one batch of ``effective_batch`` rows: whole (one forward and backward), sample-major in
+``accumulate`` chunks (a forward and backward per chunk, each loss divided by ``accumulate``, as Lightning's
+``accumulate_grad_batches`` does), or block-major (the engine's micro-batches installed on the model: one forward
+and backward over all rows, the loss the mean of the micro-batches' losses as accumulation computes it). Either
+way there is one optimizer update per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
+from poros_lightning.engine.optim_state import HostOptimizerState
+
+__all__ = ["install_micro_batches", "step_loop", "token_loss"]
+
+
+def install_micro_batches(model: torch.nn.Module, k: int, rows: int) -> Any:
+    """Install block-major micro-batches of ``rows`` rows, ``k`` per batch, on the PEFT ``model`` (before ``prepare``,
+    as ``PorosStrategy(micro_batches=k)`` does); returns the installed splitter (``.uninstall()`` removes it)."""
+    from poros_lightning.arch import arch_for_model, resolve
+    from poros_lightning.engine.microbatch import MicroBatches, dropout_sources
+    from poros_lightning.errors import PorosConfigError
+
+    if dropout_sources(model):
+        raise PorosConfigError(
+            "Block-major micro-batches refuse a model with dropout.",
+            "Bench block-major runs with lora_dropout 0, or use accumulate (sample-major).",
+        )
+    base = model.get_base_model()
+    spec = arch_for_model(base)
+    modules = [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)]
+    splitter = MicroBatches(base, modules, k)
+    splitter.micro_size = rows
+    splitter.install()
+    return splitter
+
+
+def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``ids`` under ``logits``, in float32."""
+    vocab = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+
+
+def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:
+    """A ``mark()`` that records the next of ``events`` on the current stream (nothing without events) and
+    appends the host's clock to ``stamps``."""
+    pending = iter(events)
+
+    def mark() -> None:
+        if events:
+            next(pending).record()
+        stamps.append(time.perf_counter())
+
+    return mark
+
+
+def step_loop(
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    warmup: int,
+    vocab: int,
+    device: str,
+    ring: Any = None,
+    head: Any = None,
+    optimizer_on_host: bool = False,
+    peaks: dict[str, float] | None = None,
+    issued: list[float] | None = None,
+    split: dict[str, list[float]] | None = None,
+    host_split: dict[str, list[float]] | None = None,
+    counts: dict[str, Any] | None = None,
+    profile: dict[str, Any] | None = None,
+    tuner: Any = None,
+    accumulate: int = 1,
+) -> list[float]:
+    """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
+
+    Each batch is one step: ``accumulate > 1`` splits it into that many chunks run one after the other
+    (sample-major), and a model with block-major micro-batches installed runs it as those (module docstring).
+    With ``accumulate > 1`` the ``forward`` phase holds every chunk's forward and backward, and ``backward`` is 0.
+
+    With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
+    ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
+    and of the optimizer update (``update``), over all steps: the profile of where the peak sits; and the
+    peak the caching allocator reserved (``reserved``). ``issued`` receives, for each timed step, the
+    seconds the host took to issue it (until the final synchronization): close to the step time when the
+    step is bound by the host launching kernels rather than by the GPU (host waits inside the step, such
+    as ``optimizer_on_host``'s synchronization, count as issuing). ``split`` (CUDA) receives, for each timed
+    step, the GPU seconds of its ``forward`` (model and loss), ``backward`` and ``update``, from CUDA events
+    on the compute stream: where a streamed step spends the time a resident one does not. ``host_split``
+    receives the same phases on the host's clock: how long the host took to issue each (a phase whose
+    host time equals its GPU time held the host back, e.g. by filling the queue of kernel launches). ``counts``
+    receives ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
+    ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
+    host ``head``'s copies), as they stood after the timed steps.
+    ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
+    timed ones (:func:`~poros_lightning.tools.bench.timeline.profile_step`): where that step's GPU time went.
+
+    Each step is timed until the compute stream has finished it: copies on side streams that a training
+    loop overlaps with the next step (``optimizer_on_host``'s copy out) run on into the next step's time,
+    as they do in training; what is still running after the last step counts in that step's time.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    host = HostOptimizerState(opt) if optimizer_on_host else None
+    cuda = device == "cuda"
+    phases = peaks if peaks is not None else {}
+    phases.update(forward_backward=0, update=0, reserved=0)
+    step_peak = {"allocated": 0, "reserved": 0}  # since the tuner's last reset (see below)
+
+    def phase_end(name: str) -> None:
+        if cuda:  # the allocator's bookkeeping is host-side: no synchronization
+            phases[name] = max(phases[name], torch.cuda.max_memory_allocated())
+            phases["reserved"] = max(phases["reserved"], torch.cuda.max_memory_reserved())
+            step_peak["allocated"] = max(step_peak["allocated"], torch.cuda.max_memory_allocated())
+            step_peak["reserved"] = max(step_peak["reserved"], torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+
+    if tuner is not None:  # the strategy's tuner (engine/tuner.py) reads the peaks these phases keep
+        tuner.stats = lambda: (
+            step_peak["allocated"],
+            step_peak["reserved"],
+            int(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
+        )
+        tuner.reset = lambda: step_peak.update(allocated=0, reserved=0)
+
+    def wait() -> None:  # the compute stream only (see above)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def step(ids: torch.Tensor, mark: Callable[[], None]) -> None:
+        mark()
+        if host is not None:
+            host.arm()
+        k = micro_batches_of(model)
+        if accumulate > 1:  # sample-major: a forward and backward per chunk
+            for chunk in ids.chunk(accumulate):
+                (token_loss(model(input_ids=chunk, use_cache=False).logits, chunk) / accumulate).backward()
+            mark()
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits
+            if k > 1:  # block-major: one forward over all micro-batches, their losses averaged as accumulation does
+                loss = micro_batch_mean(token_loss, k, logits, ids, sizes=micro_batch_sizes(model, len(ids)))[0]
+            else:
+                loss = token_loss(logits, ids)
+            del logits
+            mark()
+            loss.backward()
+        mark()
+        phase_end("forward_backward")
+        if host is not None:
+            host.to_device()
+        opt.step()
+        if host is not None:
+            host.to_host()
+        opt.zero_grad(set_to_none=True)
+        mark()
+        phase_end("update")
+
+    times = []
+    for i, ids in enumerate(batches):
+        if tuner is not None:
+            if i == warmup:  # the timed steps run the plan the warm-up steps fitted
+                tuner.done = True
+            tuner.step_boundary()
+        ids = ids.to(device, non_blocking=True)
+        wait()
+        if ring is not None and i == warmup:
+            ring.time_copies()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+        stamps: list[float] = []
+        t = time.perf_counter()
+        step(ids, _recorder(marks, stamps))
+        done_issuing = time.perf_counter()
+        wait()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+            if issued is not None:
+                issued.append(done_issuing - t)
+            if host_split is not None:
+                for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
+                    host_split.setdefault(name, []).append(b - a)
+            if split is not None and marks:
+                for name, (a, b) in zip(
+                    ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
+                ):
+                    split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+    if cuda and times:
+        t = time.perf_counter()
+        torch.cuda.synchronize()
+        times[-1] += time.perf_counter() - t
+    # What the timed steps copied, before a profiled step adds to it.
+    if ring is not None and counts is not None:
+        counts["ring_loads"] = ring.loads
+        counts["copy_stats"] = ring.copy_stats()
+        ring.time_copies(False)
+    if head is not None and counts is not None:
+        counts["head_loads"] = head.loads
+    if host is not None and counts is not None:
+        counts["optimizer_prefetches"] = host.prefetches
+    if profile is not None and cuda and batches:
+        from poros_lightning.tools.bench.timeline import profile_step
+
+        ids = batches[-1].to(device)
+        kept = dict(phases)  # the peaks are the timed steps'
+        profile.update(profile_step(lambda mark: step(ids, mark)))
+        phases.update(kept)
+    if host is not None:
+        host.close()
+    opt.state.clear()
+    return times
