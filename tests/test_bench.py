@@ -140,7 +140,7 @@ def test_rows_are_written_as_each_run_ends(tmp_path: Path, monkeypatch: pytest.M
 
     path = _one_step_config(tmp_path, runs=[{"method": "resident"}, {"method": "poros"}])
     calls = []
-    step_loop = harness._step_loop
+    step_loop = harness.step_loop
 
     def fails_second(*args: object, **kwargs: object) -> list[float]:
         calls.append(1)
@@ -148,7 +148,7 @@ def test_rows_are_written_as_each_run_ends(tmp_path: Path, monkeypatch: pytest.M
             raise KeyboardInterrupt  # a kill mid-run
         return step_loop(*args, **kwargs)
 
-    monkeypatch.setattr(harness, "_step_loop", fails_second)
+    monkeypatch.setattr(harness, "step_loop", fails_second)
     with pytest.raises(KeyboardInterrupt):
         main(["run", str(path)])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
@@ -246,7 +246,7 @@ def test_a_run_out_of_device_memory_is_a_row_and_the_bench_goes_on(
 
     from poros_lightning.tools.bench import harness
 
-    step_loop, calls = harness._step_loop, []
+    step_loop, calls = harness.step_loop, []
 
     def first_runs_out(*args: object, **kwargs: object) -> list[float]:
         calls.append(1)
@@ -254,7 +254,7 @@ def test_a_run_out_of_device_memory_is_a_row_and_the_bench_goes_on(
             raise torch.OutOfMemoryError("CUDA out of memory.")  # what the allocator raises past a memory cap
         return step_loop(*args, **kwargs)
 
-    monkeypatch.setattr(harness, "_step_loop", first_runs_out)
+    monkeypatch.setattr(harness, "step_loop", first_runs_out)
     path = _one_step_config(
         tmp_path, runs=[{"method": "poros", "name": "poros_8GB", "vram_budget": "8GB"}, {"method": "poros"}]
     )
