@@ -441,3 +441,42 @@ def test_accumulation_keys_are_validated(tmp_path: Path, run: dict, match: str) 
     path.write_text(yaml.safe_dump({"model": "Qwen/Qwen2.5-0.5B", "runs": [run]}))
     with pytest.raises(PorosConfigError, match=match):
         load_bench_config(path)
+
+
+def test_a_planned_run_reads_a_config_that_leaves_keys_to_the_defaults(tmp_path: Path) -> None:
+    """No vocab_size in the config: the planner plans with the transformers default, as the model is built."""
+    config = {k: v for k, v in tiny_config().items() if k != "vocab_size"}
+    cfg = {
+        "model_config": config,
+        "scale": "tiny",
+        "seq_lens": [16],
+        "lora_r": 4,
+        "steps": 1,
+        "warmup": 1,
+        "runs": [{"method": "poros", "name": "planned", "vram_budget": "4GB"}],
+        "out": str(tmp_path / "bench.jsonl"),
+    }
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path)]) == 0
+    (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
+    assert row["s_per_step"] > 0 and row["planned_peak_gb"] > 0
+
+
+def test_report_compares_rows_of_one_effective_batch_and_counts_its_tokens(tmp_path: Path) -> None:
+    from poros_lightning.tools.bench.report import ratio_table
+
+    common = {"run_id": "r", "model": "m", "seq_len": 10, "batch_size": 1}
+    rows = [
+        {**common, "method": "resident_gc", "s_per_step": 1.0, "effective_batch": 1},
+        {**common, "method": "poros", "s_per_step": 2.0, "effective_batch": 1},
+        {**common, "method": "resident_gc", "s_per_step": 4.0, "effective_batch": 4, "accumulate": 4},
+        {**common, "method": "poros", "s_per_step": 4.0, "effective_batch": 4, "micro_batches": 4},
+    ]
+    table = ratio_table(rows, "resident_gc")
+    lines = [line for line in table.splitlines()[2:]]
+    assert len(lines) == 4
+    poros_4 = [line for line in lines if "| poros |" in line][1]
+    cells = [c.strip() for c in poros_4.strip("|").split("|")]
+    assert float(cells[6]) == 10.0  # 4 rows x 10 tokens / 4 s
+    assert float(cells[8]) == 1.0  # against resident_gc at the same effective batch, not at batch 1

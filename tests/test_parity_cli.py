@@ -248,6 +248,7 @@ def test_parity_builds_the_multimodal_class_of_the_checkpoint() -> None:
             },
             "cannot build a 'qwen2' model",
         ),
+        ({"model_type": "llama", "hidden_size": "wide"}, "transformers cannot build a 'llama' config"),
     ],
 )
 def test_a_config_transformers_cannot_build_is_a_clear_error(tmp_path: Path, model_config: dict, match: str) -> None:

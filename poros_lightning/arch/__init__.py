@@ -23,12 +23,14 @@ from poros_lightning.arch.registry import (
     transformers_knows,
 )
 from poros_lightning.arch.shapes import LayerShape, Linear, ModelShapes, model_shapes
+from poros_lightning.arch.status import Gate
 
 __all__ = [
     "DOC_LINK",
     "MOE_MODEL_TYPES",
     "STANDARD_TARGETS",
     "ArchSpec",
+    "Gate",
     "LayerShape",
     "Linear",
     "ModelShapes",

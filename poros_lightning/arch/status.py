@@ -38,9 +38,12 @@ class Gate:
 
 
 def scale_params(scale: str) -> float:
-    """``"72B"`` -> 72e9, ``"1.5B"`` -> 1.5e9, ``"135M"`` -> 135e6."""
+    """``"72B"`` -> 72e9, ``"1.5B"`` -> 1.5e9, ``"135M"`` -> 135e6; 0 for a label that is not a size."""
     units = {"B": 1e9, "M": 1e6}
-    return float(scale[:-1]) * units[scale[-1].upper()]
+    try:
+        return float(scale[:-1]) * units[scale[-1].upper()]
+    except (ValueError, KeyError, IndexError):
+        return 0.0
 
 
 @cache
@@ -62,8 +65,8 @@ def largest_gate(model_type: str, table: dict[str, dict[str, Any]] | None = None
     return found[-1] if found else None
 
 
-def guarantee(status: str, gate: Gate | None = None) -> str:
-    """The guarantee text for a status (``gate``: the largest gate of a certified entry)."""
-    if gate is None:
-        return _GUARANTEES[status].format(scale="?", gate="docs/validation/")
+def guarantee(status: str, gate: Gate | str | None = None) -> str:
+    """The guarantee text for a status (``gate``: the largest gate of a certified entry, or its file)."""
+    if gate is None or isinstance(gate, str):
+        return _GUARANTEES[status].format(scale="?", gate=gate or "docs/validation/")
     return _GUARANTEES[status].format(scale=f"{gate.scale} ({gate.model})", gate=gate.file)

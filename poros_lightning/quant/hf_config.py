@@ -44,12 +44,21 @@ def hf_config(config: dict[str, Any] | PretrainedConfig) -> PretrainedConfig:
         )
     try:
         return AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, TypeError, KeyError) as err:
+    except (ValueError, TypeError, KeyError, *_validation_errors()) as err:
         raise PorosConfigError(
             f"transformers cannot build a {model_type!r} config from the keys {sorted(cfg)}: {err}",
             "Use a model_type the installed transformers knows and keys of its config class "
             "(docs/architecture-support.md lists the registered families).",
         ) from err
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """What transformers' config classes raise for a badly typed key (huggingface_hub's strict dataclasses)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: configs raise ValueError or TypeError
+        return ()
+    return (StrictDataclassError,)
 
 
 def text_config(config: dict[str, Any] | PretrainedConfig) -> dict[str, Any]:

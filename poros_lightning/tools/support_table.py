@@ -47,7 +47,8 @@ def _bench(repo: Path, model: str) -> dict[str, str]:
     runs: dict[str, list[dict[str, Any]]] = {}
     for path in sorted((repo / "docs" / "benchmarks").glob("*.jsonl")):
         for row in _rows(path):
-            if row.get("model") == name and row.get("seq_len") == 512 and row.get("batch_size", 1) == 1:
+            one_row = row.get("effective_batch", row.get("batch_size", 1)) == 1
+            if row.get("model") == name and row.get("seq_len") == 512 and one_row:
                 runs.setdefault(f"{path.name}:{row.get('run_id')}", []).append(row)
     found: dict[str, str] = {}
     for key in sorted(runs, key=lambda k: runs[k][0].get("run_id") or "", reverse=True):

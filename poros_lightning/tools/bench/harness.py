@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from poros_lightning.engine.link import measure_h2d
+from poros_lightning.quant.hf_config import hf_config
 from poros_lightning.tools.bench.steps import install_micro_batches, step_loop
 from poros_lightning.tools.parity.build import build_peft_model
 
@@ -154,10 +155,11 @@ def bench_methods(
             planning = dict(seq_len=seq_len, batch_size=batch_size * micro, lora_r=lora_r, quantization=quantization)
             planned["vram_budget"] = budget / 1e9
             link = measure_h2d(nbytes=256 << 20, repeats=3) if device == "cuda" else None  # as PorosStrategy
+            full = hf_config(config).to_dict()  # the planner reads every key: the transformers defaults filled in
             try:
-                plan = plan_engine(config, budget, **planning, link_gbps=link)
+                plan = plan_engine(full, budget, **planning, link_gbps=link)
             except PorosOOMError as err:  # the strategy refuses it too: an answer, recorded as one
-                smallest = minimum_budget(config, **planning)
+                smallest = minimum_budget(full, **planning)
                 refusal = {"refused": True, "min_budget_gb": smallest / 1e9, "refusal": err.problem}
             else:
                 engine_opts.update(plan.engine_kwargs())

@@ -97,11 +97,17 @@ def ratio_table(rows: list[dict[str, Any]], baseline: str) -> str:
     taken within a group, and with interleaved rounds (A B A B ...) a drift of the machine weighs on every
     method. Rows without a ``run_id`` (older files) and groups without a ``baseline`` row are left out.
     """
-    groups: dict[tuple[Any, Any, Any], dict[str, list[dict[str, Any]]]] = {}
+    groups: dict[tuple[Any, Any, Any, Any], dict[str, list[dict[str, Any]]]] = {}
     for row in rows:
         if row.get("s_per_step") is None or row.get("run_id") is None:
             continue
-        key = (row["run_id"], row.get("model"), row.get("seq_len"))
+        # Steps of different effective batches are not compared: a ratio holds within one effective batch.
+        key = (
+            row["run_id"],
+            row.get("model"),
+            row.get("seq_len"),
+            row.get("effective_batch", row.get("batch_size", 1)),
+        )
         groups.setdefault(key, {}).setdefault(row["method"], []).append(row)
     header = (
         "model",
@@ -129,12 +135,17 @@ def ratio_table(rows: list[dict[str, Any]], baseline: str) -> str:
                 len(runs),
                 mean,
                 f"{_fmt(min(times))}..{_fmt(max(times))}",
-                runs[0].get("batch_size", 1) * runs[0]["seq_len"] / mean if runs[0].get("seq_len") else None,
+                _rows_per_step(runs[0]) * runs[0]["seq_len"] / mean if runs[0].get("seq_len") else None,
                 max(r.get("peak_vram_gb") or 0.0 for r in runs),
                 mean / base,
             )
             lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _rows_per_step(row: dict[str, Any]) -> int:
+    """Rows one optimizer step trains on (rows before ``effective_batch`` was recorded: ``batch_size``)."""
+    return int(row.get("effective_batch", row.get("batch_size", 1)))
 
 
 def _plot(rows: list[dict[str, Any]], key: str, label: str) -> str | None:

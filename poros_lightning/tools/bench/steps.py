@@ -34,6 +34,13 @@ def install_micro_batches(model: torch.nn.Module, k: int, rows: int) -> Any:
             "Bench block-major runs with lora_dropout 0, or use accumulate (sample-major).",
         )
     base = model.get_base_model()
+    text = base.config.get_text_config()
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise PorosConfigError(
+            f"This {base.config.model_type} model shares keys and values between layers "
+            f"(num_kv_shared_layers={text.num_kv_shared_layers}); micro-batches run block-major would read one another's.",
+            "Bench it with accumulate (sample-major) instead of micro_batches.",
+        )
     spec = arch_for_model(base)
     modules = [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)]
     splitter = MicroBatches(base, modules, k)

@@ -36,22 +36,6 @@ WORDS = (
     "ocean onion orange parrot pencil pepper piano planet quilt rabbit river robot rocket saddle snow table teapot "
     "tiger tulip turtle umbrella velvet violin wallet walnut water window yacht yogurt zebra"
 ).split()
-NAMES = ("Mia", "Leo", "Ava", "Omar", "Zoe", "Ravi", "Nora", "Sam", "Lena", "Kai", "Iris", "Theo", "Maya", "Finn")
-ITEMS = (
-    "apples",
-    "stickers",
-    "marbles",
-    "books",
-    "pencils",
-    "shells",
-    "coins",
-    "cards",
-    "stamps",
-    "cookies",
-    "balloons",
-    "buttons",
-)
-DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 UNITS = (
     # (short from, short to, factor, long from, long to)
     ("km", "m", 1000, "kilometres", "metres"),
@@ -68,10 +52,6 @@ Record = dict[str, str]
 
 def _record(task: str, instruction: str, input_: str, answer: str, reason: str) -> Record:
     return {"instruction": instruction, "input": input_, "output": f"Answer: {answer}. Reason: {reason}.", "task": task}
-
-
-def _spell(word: str) -> str:
-    return "-".join(word)
 
 
 def _convert(rng: random.Random) -> Record:
