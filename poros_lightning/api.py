@@ -19,7 +19,7 @@ from poros_lightning.engine.head import HostHead, check_frozen_head, check_head_
 from poros_lightning.engine.store import ArenaFactory
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["prepare", "unprepare", "engine_of", "is_prepared"]
+__all__ = ["prepare", "unprepare", "engine_of", "is_prepared", "check_block_major", "install_block_major"]
 
 log = logging.getLogger(__name__)
 
@@ -283,3 +283,44 @@ def options_of(model: nn.Module) -> dict[str, Any]:
     """The engine options of a prepared model, as a plain dict (for logs and checkpoints)."""
     engine = engine_of(model)
     return {} if engine is None else dict(engine.options.__dict__)
+
+
+def check_block_major(peft_model: nn.Module, who: str, instead: str) -> None:
+    """Refuse block-major micro-batches where they would not be exact: dropout, or layers sharing keys and values.
+
+    ``who`` names the caller's option in the message (``"PorosStrategy(micro_batches=4)"``); ``instead`` is the
+    exact sample-major alternative the hint offers.
+    """
+    from poros_lightning.engine.microbatch import dropout_sources
+
+    sources = dropout_sources(peft_model)
+    if sources:
+        raise PorosConfigError(
+            f"{who} runs micro-batches block-major, which draws random numbers in another order than one "
+            f"micro-batch after the other; this model draws them in {', '.join(sources[:3])}.",
+            f"Set the LoRA dropout (and any other dropout) to 0, or use {instead} for an exact run with dropout.",
+        )
+    base = peft_model.get_base_model()
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise PorosConfigError(
+            f"This {base.config.model_type} model shares keys and values between layers "
+            f"(num_kv_shared_layers={text.num_kv_shared_layers}); micro-batches run block-major would read "
+            "one another's.",
+            f"Use {instead}, which is exact for this model.",
+        )
+
+
+def install_block_major(
+    peft_model: nn.Module, k: int, micro_size: int | None, *, allow_unlisted_arch: bool = False
+) -> Any:
+    """Install ``k`` block-major micro-batches on the decoder layers, final norm and head of ``peft_model``
+    (before :func:`prepare`); returns the splitter, whose ``uninstall()`` removes them."""
+    from poros_lightning.engine.microbatch import MicroBatches
+
+    base = peft_model.get_base_model()
+    spec = arch_for_model(base, allow_unlisted=allow_unlisted_arch)
+    splitter = MicroBatches(base, [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)], k)
+    splitter.micro_size = micro_size
+    splitter.install()
+    return splitter

@@ -25,6 +25,14 @@ SWEEP_FIELDS = {
 }
 
 
+def _run(tmp_path: Path, cfg: dict) -> list[dict]:
+    """``bench run`` of ``cfg`` (its ``out`` under ``tmp_path``); the rows it wrote."""
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path)]) == 0
+    return [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+
+
 def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
     cfg = {
         "model": "tiny-qwen2",
@@ -50,10 +58,7 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
         ],
         "out": str(tmp_path / "bench.jsonl"),
     }
-    path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert main(["run", str(path)]) == 0
-    rows = {r["method"]: r for r in map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())}
+    rows = {r["method"]: r for r in _run(tmp_path, cfg)}
     assert list(rows) == ["resident", "resident_gc", "poros", "poros_min", "poros_planned", "poros_keep"]
     assert all(r["s_per_step"] > 0 and not r["oom"] for r in rows.values())
     assert all(0 < r["host_issue_s_per_step"] <= r["s_per_step"] for r in rows.values())
@@ -412,10 +417,7 @@ def test_runs_take_batch_accumulation_and_block_major_micro_batches(tmp_path: Pa
         ],
         "out": str(tmp_path / "bench.jsonl"),
     }
-    path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert main(["run", str(path)]) == 0
-    rows = {r["method"]: r for r in map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())}
+    rows = {r["method"]: r for r in _run(tmp_path, cfg)}
     for name in ("resident_gc_accum", "poros_accum", "poros_block_major"):
         assert rows[name]["effective_batch"] == 8, name
         assert rows[name]["tokens_per_s"] == pytest.approx(8 * 16 / rows[name]["s_per_step"])
@@ -456,10 +458,7 @@ def test_a_planned_run_reads_a_config_that_leaves_keys_to_the_defaults(tmp_path:
         "runs": [{"method": "poros", "name": "planned", "vram_budget": "4GB"}],
         "out": str(tmp_path / "bench.jsonl"),
     }
-    path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert main(["run", str(path)]) == 0
-    (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
+    (row,) = _run(tmp_path, cfg)
     assert row["s_per_step"] > 0 and row["planned_peak_gb"] > 0
 
 

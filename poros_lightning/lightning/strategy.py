@@ -274,33 +274,14 @@ class PorosStrategy(SingleDeviceStrategy):
 
     def _split_micro_batches(self, peft_model: nn.Module) -> None:
         """Install block-major micro-batches on ``peft_model`` (Note: [ordered gradient sum] in engine.microbatch)."""
-        from poros_lightning.arch import arch_for_model, resolve
-        from poros_lightning.engine.microbatch import MicroBatches, dropout_sources
+        from poros_lightning.api import check_block_major, install_block_major
 
-        sources = dropout_sources(peft_model)
-        if sources:
-            raise PorosConfigError(
-                f"PorosStrategy(micro_batches={self.micro_batches}) runs micro-batches block-major, which draws "
-                f"random numbers in another order than one micro-batch after the other; this model draws them in "
-                f"{', '.join(sources[:3])}.",
-                "Set the LoRA dropout (and any other dropout) to 0, or use micro_batches=1 with "
-                "Trainer(accumulate_grad_batches=k) for an exact run with dropout.",
-            )
-        base = peft_model.get_base_model()
-        text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-        if getattr(text, "num_kv_shared_layers", 0):
-            raise PorosConfigError(
-                f"This {base.config.model_type} model shares keys and values between layers "
-                f"(num_kv_shared_layers={text.num_kv_shared_layers}); micro-batches run block-major would read "
-                "one another's.",
-                "Use micro_batches=1 with Trainer(accumulate_grad_batches=k), which is exact for this model.",
-            )
+        k = self.micro_batches
+        check_block_major(
+            peft_model, f"PorosStrategy(micro_batches={k})", "micro_batches=1 with Trainer(accumulate_grad_batches=k)"
+        )
         micro_size = self._check_block_major_data(getattr(self.lightning_module, "_trainer", None))
-        spec = arch_for_model(base, allow_unlisted=self.allow_unlisted_arch)
-        modules = [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)]
-        splitter = MicroBatches(base, modules, self.micro_batches)
-        splitter.micro_size = micro_size
-        splitter.install()
+        splitter = install_block_major(peft_model, k, micro_size, allow_unlisted_arch=self.allow_unlisted_arch)
         self.splitters.append(splitter)
 
     def _check_block_major_data(self, trainer: Any) -> int | None:

@@ -17,42 +17,18 @@ import torch
 
 from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
 from poros_lightning.engine.optim_state import HostOptimizerState
+from poros_lightning.tools.parity.runner import token_loss
 
-__all__ = ["install_micro_batches", "step_loop", "token_loss"]
+__all__ = ["install_micro_batches", "step_loop"]
 
 
 def install_micro_batches(model: torch.nn.Module, k: int, rows: int) -> Any:
     """Install block-major micro-batches of ``rows`` rows, ``k`` per batch, on the PEFT ``model`` (before ``prepare``,
     as ``PorosStrategy(micro_batches=k)`` does); returns the installed splitter (``.uninstall()`` removes it)."""
-    from poros_lightning.arch import arch_for_model, resolve
-    from poros_lightning.engine.microbatch import MicroBatches, dropout_sources
-    from poros_lightning.errors import PorosConfigError
+    from poros_lightning.api import check_block_major, install_block_major
 
-    if dropout_sources(model):
-        raise PorosConfigError(
-            "Block-major micro-batches refuse a model with dropout.",
-            "Bench block-major runs with lora_dropout 0, or use accumulate (sample-major).",
-        )
-    base = model.get_base_model()
-    text = base.config.get_text_config()
-    if getattr(text, "num_kv_shared_layers", 0):
-        raise PorosConfigError(
-            f"This {base.config.model_type} model shares keys and values between layers "
-            f"(num_kv_shared_layers={text.num_kv_shared_layers}); micro-batches run block-major would read one another's.",
-            "Bench it with accumulate (sample-major) instead of micro_batches.",
-        )
-    spec = arch_for_model(base)
-    modules = [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)]
-    splitter = MicroBatches(base, modules, k)
-    splitter.micro_size = rows
-    splitter.install()
-    return splitter
-
-
-def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``ids`` under ``logits``, in float32."""
-    vocab = logits.shape[-1]
-    return torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    check_block_major(model, f"A bench run with micro_batches={k}", f"accumulate: {k}")
+    return install_block_major(model, k, rows)
 
 
 def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:
