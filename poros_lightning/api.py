@@ -19,7 +19,15 @@ from poros_lightning.engine.head import HostHead, check_frozen_head, check_head_
 from poros_lightning.engine.store import ArenaFactory
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["prepare", "unprepare", "engine_of", "is_prepared", "check_block_major", "install_block_major"]
+__all__ = [
+    "check_block_major",
+    "check_linear_attention_kernels",
+    "engine_of",
+    "install_block_major",
+    "is_prepared",
+    "prepare",
+    "unprepare",
+]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +216,7 @@ def prepare(
     check_head_copies(head_copies)  # refused before anything moves
     if keep_activations:
         _check_no_shared_kv(base)
+    check_linear_attention_kernels(base, device)
     quant.disable_cpu_repacking(model)
     refs = [list(quant.streamable_tensors(layer)) for layer in layers]
     if not any(refs):
@@ -285,21 +294,43 @@ def options_of(model: nn.Module) -> dict[str, Any]:
     return {} if engine is None else dict(engine.options.__dict__)
 
 
-def check_block_major(peft_model: nn.Module, who: str, instead: str) -> None:
-    """Refuse block-major micro-batches where they would not be exact: dropout, or layers sharing keys and values.
+_LINEAR_ATTENTION_PACKAGES = ("fla", "causal_conv1d")  # flash-linear-attention, causal-conv1d
 
-    ``who`` names the caller's option in the message (``"PorosStrategy(micro_batches=4)"``); ``instead`` is the
-    exact sample-major alternative the hint offers.
+
+def check_linear_attention_kernels(base: nn.Module, device: torch.device) -> None:
+    """Refuse the fast linear-attention kernels of Qwen3.5 on CUDA: its GPU gates ran the PyTorch reference ones.
+
+    transformers runs Qwen3.5's Gated DeltaNet layers on ``flash-linear-attention`` and ``causal-conv1d`` when those
+    packages are installed (and the inputs are on CUDA), on its PyTorch reference functions otherwise. Only the
+    reference path is gated bit-identical (docs/validation/parity_qwen3.5-27b.jsonl, run without them); the fast
+    kernels' backward has not been shown deterministic, and a kernel that is not makes the recompute differ.
     """
-    from poros_lightning.engine.microbatch import dropout_sources
+    import importlib.util
 
-    sources = dropout_sources(peft_model)
-    if sources:
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if device.type != "cuda" or getattr(text, "model_type", None) not in ("qwen3_5_text", "qwen3_5"):
+        return
+    found = [name for name in _LINEAR_ATTENTION_PACKAGES if importlib.util.find_spec(name) is not None]
+    if found:
         raise PorosConfigError(
-            f"{who} runs micro-batches block-major, which draws random numbers in another order than one "
-            f"micro-batch after the other; this model draws them in {', '.join(sources[:3])}.",
-            f"Set the LoRA dropout (and any other dropout) to 0, or use {instead} for an exact run with dropout.",
+            f"Qwen3.5's linear-attention layers would run the kernels of {', '.join(found)}, which are not gated "
+            "bit-identical: the GPU gates ran transformers' PyTorch reference kernels.",
+            "Uninstall flash-linear-attention and causal-conv1d (pip uninstall flash-linear-attention causal-conv1d) "
+            "so that transformers runs its reference kernels, or train this model without poros-lightning.",
         )
+
+
+def check_block_major(peft_model: nn.Module, who: str, instead: str, device: torch.device | str | None = None) -> bool:
+    """Refuse block-major micro-batches where they would not be exact; returns whether dropout draws are replayed.
+
+    Dropout is exact on CUDA, where the Philox generator's offsets are replayed in block-major order (Note:
+    [dropout in block-major order] in engine.microbatch), when every dropout module sits in a decoder layer.
+    Refused: dropout on another device (the CPU generator has no offset), dropout modules outside the decoder
+    layers, and layers sharing keys and values. ``who`` names the caller's option in the message
+    (``"PorosStrategy(micro_batches=4)"``); ``instead`` is the exact sample-major alternative the hint offers.
+    """
+    from poros_lightning.engine.microbatch import dropout_modules, dropout_sources
+
     base = peft_model.get_base_model()
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     if getattr(text, "num_kv_shared_layers", 0):
@@ -309,18 +340,56 @@ def check_block_major(peft_model: nn.Module, who: str, instead: str) -> None:
             "one another's.",
             f"Use {instead}, which is exact for this model.",
         )
+    sources = dropout_sources(peft_model)
+    if not sources:
+        return False
+    where = torch.device(device) if device is not None else None
+    if where is None or where.type != "cuda":
+        raise PorosConfigError(
+            f"{who} runs micro-batches block-major, which draws random numbers in another order than one "
+            f"micro-batch after the other; this model draws them in {', '.join(sources[:3])}. On CUDA the draws "
+            f"are replayed where one micro-batch after the other makes them; on {where or 'this device'} the "
+            "generator cannot be placed.",
+            f"Train on a CUDA device, set the LoRA dropout (and any other dropout) to 0, or use {instead} for an "
+            "exact run with dropout.",
+        )
+    spec = arch_for_model(base, allow_unlisted=True)
+    inside = {id(m) for layer in resolve(base, spec.layers) for m in layer.modules()}
+    outside = [name for name, m in dropout_modules(base) if id(m) not in inside]
+    if outside:
+        raise PorosConfigError(
+            f"{who} replays dropout draws inside the decoder layers only; this model also draws them in "
+            f"{', '.join(outside[:3])}, which block-major order runs once for all micro-batches.",
+            f"Set that dropout to 0, or use {instead} for an exact run with dropout.",
+        )
+    return True
 
 
 def install_block_major(
-    peft_model: nn.Module, k: int, micro_size: int | None, *, allow_unlisted_arch: bool = False
+    peft_model: nn.Module,
+    k: int,
+    micro_size: int | None,
+    *,
+    allow_unlisted_arch: bool = False,
+    replay_dropout: bool = False,
 ) -> Any:
     """Install ``k`` block-major micro-batches on the decoder layers, final norm and head of ``peft_model``
-    (before :func:`prepare`); returns the splitter, whose ``uninstall()`` removes them."""
-    from poros_lightning.engine.microbatch import MicroBatches
+    (before :func:`prepare`); returns the splitter, whose ``uninstall()`` removes them. ``replay_dropout``
+    (what :func:`check_block_major` returns) places each micro-batch's dropout draws on the CUDA generator where
+    layer-major accumulation makes them."""
+    from poros_lightning.engine.microbatch import MicroBatches, cuda_generator
 
     base = peft_model.get_base_model()
     spec = arch_for_model(base, allow_unlisted=allow_unlisted_arch)
-    splitter = MicroBatches(base, [*resolve(base, spec.layers), resolve(base, spec.norm), resolve(base, spec.head)], k)
+    layers = list(resolve(base, spec.layers))
+    splitter = MicroBatches(
+        base,
+        [*layers, resolve(base, spec.norm), resolve(base, spec.head)],
+        k,
+        layers=len(layers),
+        body=resolve(base, spec.body),
+        rng=cuda_generator if replay_dropout else None,
+    )
     splitter.micro_size = micro_size
     splitter.install()
     return splitter

@@ -27,7 +27,7 @@ from poros_lightning.arch import (
 )
 from poros_lightning.arch import registry as registry_module
 from poros_lightning.arch.status import gates
-from poros_lightning.errors import UnsupportedArchitectureError
+from poros_lightning.errors import PorosConfigError, UnsupportedArchitectureError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,6 +150,7 @@ def test_status_json_is_valid():
                 assert row["equal"] and all(row["surfaces"].values()), f"{gate.file}: {row['mode']} not equal"
                 assert row["model"] == f"{gate.model} (random init)", (gate.file, row["model"])
                 assert row["scale"] == gate.scale, (gate.file, row["scale"])
+                assert row.get("model_type", model_type) == model_type, (gate.file, row["model_type"])
             assert gate.params > 0, f"{gate.file}: scale {gate.scale!r} is not a size such as 7B"
 
 
@@ -157,10 +158,18 @@ def test_check_names_the_largest_gate_of_each_family():
     largest = {t: (s.gate.scale, s.gate.model) for t, s in registered(include_unavailable=True).items() if s.gate}
     assert largest == {
         "qwen2": ("72B", "Qwen/Qwen2.5-72B"),
-        "qwen3": ("8B", "Qwen/Qwen3-8B"),
+        "qwen3": ("32B", "Qwen/Qwen3-32B"),
+        "qwen3_5": ("27B", "Qwen/Qwen3.5-27B"),
+        "qwen3_5_text": ("27B", "Qwen/Qwen3.5-27B (text model)"),
         "llama": ("8B", "meta-llama/Llama-3.1-8B"),
         "mistral": ("7B", "mistralai/Mistral-7B-v0.3"),
+        "gemma3": ("27B", "google/gemma-3-27b-it"),
+        "gemma3_text": ("27B", "google/gemma-3-27b-it (text model)"),
+        "gemma4": ("31B", "google/gemma-4-31B"),
+        "gemma4_text": ("31B", "google/gemma-4-31B (text model)"),
     }
+    # every registered family is certified at the scale people fine-tune it
+    assert {t for t, s in registered(include_unavailable=True).items() if s.status != "certified"} == set()
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
@@ -350,3 +359,23 @@ def test_doc_table_matches_the_registry():
     assert set(rows) == set(specs)
     for model_type, spec in specs.items():
         assert rows[model_type] == (spec.family, spec.layers, spec.status), model_type
+
+
+def test_fast_linear_attention_kernels_are_refused_on_cuda(monkeypatch):
+    """Qwen3.5's gates ran transformers' PyTorch reference kernels: with flash-linear-attention installed, the
+    streamed run refuses on CUDA, naming the fix (on the CPU transformers never uses them)."""
+    import importlib.util
+
+    import torch
+
+    from poros_lightning.api import check_linear_attention_kernels
+
+    if transformers_knows("qwen3_5_text") is False:
+        pytest.skip("the installed transformers does not define qwen3_5_text")
+    model = _build(TINY["qwen3_5_text"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else real(name, *a))
+    with pytest.raises(PorosConfigError, match="HINT: Uninstall flash-linear-attention"):
+        check_linear_attention_kernels(model, torch.device("cuda", 0))
+    check_linear_attention_kernels(model, torch.device("cpu"))  # the CPU path is the reference path
+    check_linear_attention_kernels(_build(TINY["qwen2"]), torch.device("cuda", 0))  # not a linear-attention model

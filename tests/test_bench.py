@@ -55,11 +55,24 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
             },
             {"method": "poros", "name": "poros_planned", "vram_budget": "4GB"},
             {"method": "poros", "name": "poros_keep", "keep_activations": 4},
+            {"method": "poros", "name": "poros_min_plan", "vram_budget": "min"},
         ],
         "out": str(tmp_path / "bench.jsonl"),
     }
     rows = {r["method"]: r for r in _run(tmp_path, cfg)}
-    assert list(rows) == ["resident", "resident_gc", "poros", "poros_min", "poros_planned", "poros_keep"]
+    assert list(rows) == [
+        "resident",
+        "resident_gc",
+        "poros",
+        "poros_min",
+        "poros_planned",
+        "poros_keep",
+        "poros_min_plan",
+    ]
+    # vram_budget: min plans for the smallest budget the planner accepts: every host-side option on
+    smallest = rows["poros_min_plan"]
+    assert 0 < smallest["planned_peak_gb"] <= smallest["vram_budget"] < 4.0
+    assert smallest["optimizer_on_host"] and any("host memory" in line for line in smallest["plan"])
     assert all(r["s_per_step"] > 0 and not r["oom"] for r in rows.values())
     assert all(0 < r["host_issue_s_per_step"] <= r["s_per_step"] for r in rows.values())
     for r in rows.values():  # the host's clock splits the issuing into the step's three phases

@@ -139,7 +139,7 @@ def test_data_without_one_length_is_refused_and_scaling_that_rounds_warns() -> N
 
 def test_dropout_is_refused_naming_the_fix(tmp_path) -> None:
     module = make_module(lora_dropout=0.1)
-    with pytest.raises(PorosConfigError, match="HINT: Set the LoRA dropout"):
+    with pytest.raises(PorosConfigError, match="HINT: Train on a CUDA device, set the LoRA dropout"):
         trainer(tmp_path, max_steps=1, strategy=PorosStrategy(device="cpu", micro_batches=2)).fit(
             module, random_batches(n=4, batch_size=4)
         )

@@ -173,14 +173,24 @@ _QWEN3_5_TEXT_DEFAULTED = {
 
 
 @pytest.mark.parametrize(
-    ("model_config", "model_class"),
-    [(_GEMMA3_MULTIMODAL, "Gemma3ForConditionalGeneration"), (_QWEN3_5_TEXT_DEFAULTED, "Qwen3_5ForCausalLM")],
-    ids=["gemma3-text_config-nested", "qwen3_5_text-no-vocab_size"],
+    ("model_config", "extra", "model_class"),
+    [
+        (_GEMMA3_MULTIMODAL, {}, "Gemma3ForConditionalGeneration"),
+        (_GEMMA3_MULTIMODAL, {"text_only": True}, "Gemma3ForCausalLM"),
+        (_QWEN3_5_TEXT_DEFAULTED, {}, "Qwen3_5ForCausalLM"),
+    ],
+    ids=["gemma3-text_config-nested", "gemma3-text_only", "qwen3_5_text-no-vocab_size"],
 )
 def test_parity_reads_any_config(
-    tmp_path: Path, model_config: dict, model_class: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    model_config: dict,
+    extra: dict,
+    model_class: str,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A multimodal config (text facts under text_config) and one leaving vocab_size to transformers: both gate."""
+    """A multimodal config (text facts under text_config), its text model alone (``text_only``), and one leaving
+    vocab_size to transformers: each gates."""
     import poros_lightning.tools.parity.runner as runner
 
     built: list[str] = []
@@ -203,6 +213,7 @@ def test_parity_reads_any_config(
                 "lora_r": 4,
                 "modes": ["dropout"],
                 "out": str(out),
+                **extra,
             }
         )
     )
@@ -211,6 +222,14 @@ def test_parity_reads_any_config(
     assert built == [model_class]
     (summary,) = [r for r in map(json.loads, out.read_text().splitlines()) if r.get("summary")]
     assert summary["equal"] and summary["lora_dropout"] == 0.1
+    assert summary["model_type"] == ("gemma3_text" if extra else model_config["model_type"])
+
+
+def test_text_only_needs_a_multimodal_config() -> None:
+    from poros_lightning.tools.parity.cli import text_only
+
+    with pytest.raises(PorosConfigError, match="needs a multimodal config"):
+        text_only(_QWEN3_5_TEXT_DEFAULTED, "tiny")
 
 
 def test_parity_builds_the_multimodal_class_of_the_checkpoint() -> None:

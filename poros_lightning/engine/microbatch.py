@@ -19,9 +19,10 @@ Note: [ordered gradient sum]
     the stored gradients into ``.grad`` in micro-batch order, ``grad = g_1``, ``grad += g_2``, ...,
     exactly the additions layer-major accumulation performs.
 
+Note: [dropout in block-major order] is in :mod:`poros_lightning.engine.dropout_replay`: on CUDA each
+    (micro-batch, layer) draws where layer-major accumulation draws.
+
 Note: [what block-major cannot reproduce]
-    RNG draws happen in another order (micro-batch 2 of layer 1 draws before micro-batch 1 of layer 2),
-    so any dropout makes it differ from layer-major accumulation: :func:`check_block_major` refuses it.
     The per-micro-batch loss must be computed by the module (:func:`micro_batches_of` tells it ``k``,
     :func:`micro_batch_sizes` the rows of each); a loss over the whole ``k * b`` batch has another
     normalization. Every micro-batch must have the shapes it has alone: batches padded to a common length
@@ -40,9 +41,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from poros_lightning.engine.dropout_replay import DropoutReplay, cuda_generator
 from poros_lightning.errors import PorosConfigError
 
-__all__ = ["MicroBatches", "dropout_sources", "micro_batch_mean", "micro_batch_sizes", "micro_batches_of", "whole_batches"]
+__all__ = [
+    "MicroBatches",
+    "cuda_generator",
+    "dropout_modules",
+    "dropout_sources",
+    "micro_batch_mean",
+    "micro_batch_sizes",
+    "micro_batches_of",
+    "whole_batches",
+]
 
 _ATTR = "_poros_micro_batches"
 
@@ -118,9 +129,24 @@ class MicroBatches:
         base: the Hugging Face causal LM (not the PEFT wrapper).
         modules: the modules to split, in execution order (decoder layers, final norm, LM head).
         k: micro-batches per batch; the batch's first dimension must be a multiple of ``k``.
+        layers: how many of ``modules`` (the first ones) are decoder layers.
+        body: the module that runs the decoder layers (the decoder stack); with ``rng``, its forward places
+            each micro-batch's dropout draws where layer-major accumulation makes them.
+        rng: the generator dropout draws from, for a device (:func:`cuda_generator`); it must have
+            ``get_offset``/``set_offset`` (Note: [dropout in block-major order]). ``None``: no replay (the
+            model must not draw random numbers).
     """
 
-    def __init__(self, base: nn.Module, modules: list[nn.Module], k: int) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        modules: list[nn.Module],
+        k: int,
+        *,
+        layers: int = 0,
+        body: nn.Module | None = None,
+        rng: Callable[[torch.device], Any] | None = None,
+    ) -> None:
         if k < 2:
             raise PorosConfigError(
                 f"micro_batches must be >= 2 to split, got {k}.", "Use micro_batches=1 to turn it off."
@@ -133,6 +159,13 @@ class MicroBatches:
         self.micro_size: int | None = None  # rows per micro-batch; set from the loader (or the first batch)
         self._whole = False  # whole(): the modules run unsplit
         self._saved: list[tuple[nn.Module, Any]] = []
+        if rng is not None and (body is None or layers < 1):
+            raise PorosConfigError(
+                "Replaying dropout draws in block-major order needs the decoder stack and its layers.",
+                "Pass body= and layers= with rng=.",
+            )
+        self.body = body
+        self.replay = DropoutReplay(rng, modules[:layers], self.sizes) if rng is not None else None
         owned: set[int] = set()
         for module in modules:
             for p in module.parameters():
@@ -153,6 +186,9 @@ class MicroBatches:
         for module in self.modules:
             self._saved.append((module, module.__dict__.get("forward")))
             module.forward = functools.partial(self._forward, module, module.forward)
+        if self.replay is not None and self.body is not None:
+            self._saved.append((self.body, self.body.__dict__.get("forward")))
+            self.body.forward = functools.partial(self._body_forward, self.body.forward)
         setattr(self.base, _ATTR, self)
 
     def uninstall(self) -> None:
@@ -163,6 +199,8 @@ class MicroBatches:
                 module.forward = previous
         self._saved = []
         self.store.clear()
+        if self.replay is not None:
+            self.replay.current = None
         self.base.__dict__.pop(_ATTR, None)
 
     @contextlib.contextmanager
@@ -211,6 +249,8 @@ class MicroBatches:
     def _forward(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Evaluation: nothing accumulates, any batch size goes; whole(): the caller splits by micro-batch itself.
         if not torch.is_grad_enabled() or self._whole:
+            if self.replay is not None and self.replay.probing:
+                return self.replay.probed(module, original, *args, **kwargs)
             return original(*args, **kwargs)
         lead = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         rows = lead.shape[0]
@@ -237,17 +277,25 @@ class MicroBatches:
         split_args = [split(a) for a in args]
         split_kwargs = {n: split(v) for n, v in kwargs.items()}
         outs = []
-        for i in range(len(sizes)):
-            with self._captured(module, i):
-                outs.append(
-                    original(*(pick(a, i) for a in split_args), **{n: pick(v, i) for n, v in split_kwargs.items()})
-                )
+        placed = self.replay.chunks(module, len(sizes)) if self.replay is not None else contextlib.nullcontext(None)
+        with placed as place:  # Note: [dropout in block-major order] (None: nothing to place)
+            for i in range(len(sizes)):
+                with place(i) if place is not None else contextlib.nullcontext(), self._captured(module, i):
+                    outs.append(
+                        original(*(pick(a, i) for a in split_args), **{n: pick(v, i) for n, v in split_kwargs.items()})
+                    )
         if isinstance(outs[0], tuple):
             return tuple(
                 torch.cat([o[j] for o in outs], 0) if isinstance(outs[0][j], torch.Tensor) else outs[0][j]
                 for j in range(len(outs[0]))
             )
         return torch.cat(outs, 0)
+
+    def _body_forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        assert self.replay is not None
+        if not torch.is_grad_enabled() or self._whole:
+            return original(*args, **kwargs)
+        return self.replay.body_forward(original, *args, **kwargs)
 
     @torch.no_grad()
     def accumulate(self) -> None:
@@ -272,9 +320,14 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 _CONFIG_DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
 
 
+def dropout_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The dropout modules with ``p > 0`` in ``module``, with their qualified names."""
+    return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, _DROPOUTS) and sub.p > 0]
+
+
 def dropout_sources(module: nn.Module) -> list[str]:
     """What draws random numbers in ``module``'s training forward: dropout modules and config dropouts ``> 0``."""
-    found = [f"{name} (p={sub.p})" for name, sub in module.named_modules() if isinstance(sub, _DROPOUTS) and sub.p > 0]
+    found = [f"{name} (p={sub.p})" for name, sub in dropout_modules(module)]
     seen: set[int] = set()
     for name, sub in module.named_modules():
         config = getattr(sub, "config", None)

@@ -277,11 +277,16 @@ class PorosStrategy(SingleDeviceStrategy):
         from poros_lightning.api import check_block_major, install_block_major
 
         k = self.micro_batches
-        check_block_major(
-            peft_model, f"PorosStrategy(micro_batches={k})", "micro_batches=1 with Trainer(accumulate_grad_batches=k)"
+        replay = check_block_major(
+            peft_model,
+            f"PorosStrategy(micro_batches={k})",
+            "micro_batches=1 with Trainer(accumulate_grad_batches=k)",
+            device=self.root_device,
         )
         micro_size = self._check_block_major_data(getattr(self.lightning_module, "_trainer", None))
-        splitter = install_block_major(peft_model, k, micro_size, allow_unlisted_arch=self.allow_unlisted_arch)
+        splitter = install_block_major(
+            peft_model, k, micro_size, allow_unlisted_arch=self.allow_unlisted_arch, replay_dropout=replay
+        )
         self.splitters.append(splitter)
 
     def _check_block_major_data(self, trainer: Any) -> int | None:

@@ -52,13 +52,20 @@ def _bench(repo: Path, model: str) -> dict[str, str]:
                 runs.setdefault(f"{path.name}:{row.get('run_id')}", []).append(row)
     found: dict[str, str] = {}
     for key in sorted(runs, key=lambda k: runs[k][0].get("run_id") or "", reverse=True):
-        by_method = {r.get("method"): r for r in runs[key] if r.get("s_per_step") and not r.get("refused")}
+        by_method = {
+            r.get("method"): r for r in runs[key] if (r.get("s_per_step") and not r.get("refused")) or r.get("oom")
+        }
         ref = by_method.get("resident_gc")
-        if ref is None:
+        if ref is None or ref.get("oom"):
             continue
         for label, methods in _PLANS.items():
             row = next((by_method[m] for m in methods if m in by_method), None)
-            if label not in found and row is not None:
+            if label not in found and row is not None and row.get("oom"):  # a planned run that ran out: said
+                planned, budget = row.get("planned_peak_gb"), row.get("vram_budget")
+                found[label] = "**out of memory**" + (
+                    f" ({planned:.1f} GB planned, capped at {budget:.1f} GB)" if planned and budget else ""
+                )
+            elif label not in found and row is not None:
                 ratio = row["s_per_step"] / ref["s_per_step"]
                 found[label] = f"{row['s_per_step']:.3f} s ({ratio:.2f}x), {row['peak_vram_gb']:.1f} GB"
         found.setdefault("resident_gc", f"{ref['s_per_step']:.3f} s, {ref['peak_vram_gb']:.1f} GB")

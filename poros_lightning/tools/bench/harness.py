@@ -150,12 +150,14 @@ def bench_methods(
             from poros_lightning.memory.budget import minimum_budget
             from poros_lightning.memory.planner import parse_bytes, plan_engine
 
-            budget = parse_bytes(run["vram_budget"])
             # Block-major keeps every micro-batch's layer inputs: plan for all their rows.
             planning = dict(seq_len=seq_len, batch_size=batch_size * micro, lora_r=lora_r, quantization=quantization)
+            full = hf_config(config).to_dict()  # the planner reads every key: the transformers defaults filled in
+            # "min": the smallest budget the planner accepts (every host-side option on), the minimum-memory plan
+            is_min = str(run["vram_budget"]).strip().lower() == "min"
+            budget = minimum_budget(full, **planning) if is_min else parse_bytes(run["vram_budget"])
             planned["vram_budget"] = budget / 1e9
             link = measure_h2d(nbytes=256 << 20, repeats=3) if device == "cuda" else None  # as PorosStrategy
-            full = hf_config(config).to_dict()  # the planner reads every key: the transformers defaults filled in
             try:
                 plan = plan_engine(full, budget, **planning, link_gbps=link)
             except PorosOOMError as err:  # the strategy refuses it too: an answer, recorded as one
@@ -196,7 +198,7 @@ def bench_methods(
             _checkpointing(model, enable=True)
             model.enable_input_require_grads()
         elif method == "poros":
-            splitter = install_micro_batches(model, micro, batch_size) if micro > 1 else None
+            splitter = install_micro_batches(model, micro, batch_size, device) if micro > 1 else None
             prepare(model, device=device, **engine_opts)
         gc.collect()
         if device == "cuda":

@@ -22,13 +22,14 @@ from poros_lightning.tools.parity.runner import token_loss
 __all__ = ["install_micro_batches", "step_loop"]
 
 
-def install_micro_batches(model: torch.nn.Module, k: int, rows: int) -> Any:
+def install_micro_batches(model: torch.nn.Module, k: int, rows: int, device: torch.device | str) -> Any:
     """Install block-major micro-batches of ``rows`` rows, ``k`` per batch, on the PEFT ``model`` (before ``prepare``,
-    as ``PorosStrategy(micro_batches=k)`` does); returns the installed splitter (``.uninstall()`` removes it)."""
+    as ``PorosStrategy(micro_batches=k)`` does, dropout replayed on CUDA); returns the installed splitter
+    (``.uninstall()`` removes it)."""
     from poros_lightning.api import check_block_major, install_block_major
 
-    check_block_major(model, f"A bench run with micro_batches={k}", f"accumulate: {k}")
-    return install_block_major(model, k, rows)
+    replay = check_block_major(model, f"A bench run with micro_batches={k}", f"accumulate: {k}", device=device)
+    return install_block_major(model, k, rows, replay_dropout=replay)
 
 
 def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:

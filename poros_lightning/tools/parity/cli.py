@@ -18,7 +18,17 @@ from poros_lightning.errors import PorosConfigError
 
 __all__ = ["main", "load_parity_config"]
 
-MODES = ("plain", "dropout", "accum", "block_major", "compile", "min_memory", "keep_activations", "resident_blocks")
+MODES = (
+    "plain",
+    "dropout",
+    "accum",
+    "block_major",
+    "block_major_dropout",
+    "compile",
+    "min_memory",
+    "keep_activations",
+    "resident_blocks",
+)
 _KEYS = {
     "model",
     "model_config",
@@ -31,6 +41,8 @@ _KEYS = {
     "batch_size",
     "out",
     "build",
+    "text_only",
+    "accumulate",
 }
 BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
@@ -70,6 +82,26 @@ def load_parity_config(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+def text_only(config: dict[str, Any], name: str) -> tuple[dict[str, Any], str]:
+    """The text decoder of a multimodal config as a config of its own (``gemma3`` -> ``gemma3_text``).
+
+    The text model is a registered family of its own (``Gemma3ForCausalLM`` for ``gemma3_text``); ``text_only:
+    true`` gates it at the multimodal checkpoint's shapes.
+    """
+    from poros_lightning.quant.hf_config import hf_config
+
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise PorosConfigError(
+            f"text_only: true needs a multimodal config with a text_config; {name} ({config.get('model_type')}) has none.",
+            "Leave text_only out for a text model, or name a multimodal checkpoint (google/gemma-3-27b-it).",
+        )
+    text = {"model_type": hf_config(config).get_text_config().model_type, **text}
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text, f"{name} (text model)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="poros-lightning parity", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -95,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
         model_config, _ = load_config(cfg["model"])
         name = cfg["model"]
+    if cfg.get("text_only"):
+        model_config, name = text_only(model_config, name)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from poros_lightning.tools.parity.runner import run_parity
 
@@ -115,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 lora_r=int(cfg.get("lora_r", 16)),
                 out=out,
                 blockwise=BUILDS[cfg.get("build", "auto")],
+                accumulate=int(cfg["accumulate"]) if "accumulate" in cfg else None,
             )
             verdict = "EQUAL" if result.equal else f"MISMATCH at {result.first_mismatch}"
             surfaces = " ".join(f"{k}={'ok' if v else 'DIFF'}" for k, v in result.surfaces.items())

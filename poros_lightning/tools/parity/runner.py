@@ -238,7 +238,9 @@ def run_parity(
 
     ``mode``: ``"plain"`` (no dropout), ``"dropout"`` (LoRA dropout 0.1), ``"accum"`` (gradient
     accumulation 2 with dropout), ``"block_major"`` (the reference accumulates 3 micro-batches; the
-    streamed arm runs them block-major, ``PorosStrategy(micro_batches=3)``), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
+    streamed arm runs them block-major, ``PorosStrategy(micro_batches=3)``), ``"block_major_dropout"`` (LoRA
+    dropout 0.1; the reference accumulates 4 micro-batches, the streamed arm runs them block-major with the
+    dropout draws replayed on CUDA, Note: [dropout in block-major order] in :mod:`poros_lightning.engine.microbatch`), ``"compile"`` (each decoder layer under ``torch.compile`` in both arms; Note: [compile mode] in
     :mod:`poros_lightning.training.compiling`), ``"min_memory"`` (LoRA dropout 0.1; the streamed arm keeps the
     input embeddings, the LM head's weight, the layers' saved inputs and the optimizer moments in host memory;
     :data:`MIN_MEMORY`), ``"keep_activations"`` (LoRA
@@ -252,9 +254,14 @@ def run_parity(
     dropout = (
         lora_dropout
         if lora_dropout is not None
-        else (0.1 if mode in ("dropout", "accum", "min_memory", "keep_activations", "resident_blocks") else 0.0)
+        else (
+            0.1
+            if mode in ("dropout", "accum", "min_memory", "keep_activations", "resident_blocks", "block_major_dropout")
+            else 0.0
+        )
     )
-    accum = accumulate if accumulate is not None else (2 if mode == "accum" else 3 if mode == "block_major" else 1)
+    default_accum = {"accum": 2, "block_major": 3, "block_major_dropout": 4}
+    accum = accumulate if accumulate is not None else default_accum.get(mode, 1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
@@ -281,7 +288,7 @@ def run_parity(
         return net
 
     data = token_batches(int(text_config(config)["vocab_size"]), seq_len, batch_size, steps * accum)
-    block_major = mode == "block_major"  # streamed arm: one batch of accum micro-batches, split block-major
+    block_major = mode.startswith("block_major")  # streamed arm: one batch of accum micro-batches, split block-major
     streamed_data = DataLoader(data.dataset, batch_size=batch_size * accum, shuffle=False) if block_major else data
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -321,6 +328,8 @@ def run_parity(
             "lora_dropout": dropout,
             "accumulate": accum,
             "build": built.get("how"),
+            "model_type": config["model_type"],
+            **({"sliding_window": window} if (window := text_config(config).get("sliding_window")) else {}),
             "surfaces": result.surfaces,
             "equal": result.equal,
             "first_mismatch": result.first_mismatch,
