@@ -143,10 +143,10 @@ def test_unresolvable_model_exits_1(capsys):
 def test_vram_budget_report(capsys):
     assert main(["Qwen/Qwen2.5-72B-Instruct", "--vram-budget", "4GB"]) == 0
     out = capsys.readouterr().out
-    assert "does NOT fit; the smallest budget that would is 6.06 GB (host-side options on)" in out
+    assert "does NOT fit; the smallest budget that would is 6.74 GB (host-side options on)" in out
     assert main(["Qwen/Qwen2.5-72B-Instruct", "--vram-budget", "8GB"]) == 0
     out = capsys.readouterr().out  # fits with host-side options, not with everything else on the device
-    assert "8.00 GB: fits (the smallest budget that does: 6.06 GB" in out
+    assert "8.00 GB: fits (the smallest budget that does: 6.74 GB" in out
     assert "streamed, host-side options off: does not fit at block_size 1 (needs 11.53 GB)" in out
     assert main(["Qwen/Qwen2.5-0.5B-Instruct", "--vram-budget", "24GiB"]) == 0
     assert "streamed, host-side options off: fits at block_size 1" in capsys.readouterr().out
@@ -186,9 +186,10 @@ def test_check_does_not_import_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_experimental_family_says_it_has_no_gpu_gate(capsys):
+def test_a_text_model_type_names_its_own_gate(capsys):
+    """gemma-3-1b is a gemma3_text checkpoint: its guarantee is the text model's gate (Gemma-3-27B's decoder)."""
     assert main(["google/gemma-3-1b-it"]) == 0
-    assert "bit-identical on CPU parity tests in CI; no GPU gate yet" in capsys.readouterr().out
+    assert "google/gemma-3-27b-it (text model)" in capsys.readouterr().out
 
 
 def test_certified_family_reports_its_largest_gated_scale(capsys):
@@ -257,7 +258,7 @@ def test_smallest_budget_has_every_host_side_option_on(capsys):
     result = check("Qwen/Qwen2.5-72B", vram_budget="16GB")
     assert result.minimum_budget < result.plan.streamed_vram_min
     assert (
-        format_bytes(result.minimum_budget) == "6.06 GB" and format_bytes(result.plan.streamed_vram_min) == "11.53 GB"
+        format_bytes(result.minimum_budget) == "6.74 GB" and format_bytes(result.plan.streamed_vram_min) == "11.53 GB"
     )
     smallest = _strategy_plan("Qwen/Qwen2.5-72B", result.minimum_budget, 512)
     assert smallest.embeddings_on_host and smallest.head_on_host and smallest.optimizer_on_host
@@ -267,4 +268,4 @@ def test_smallest_budget_has_every_host_side_option_on(capsys):
     assert err.value.needed_bytes == result.minimum_budget
     assert main(["Qwen/Qwen2.5-72B"]) == 0  # printed without a budget too
     out = capsys.readouterr().out
-    assert "smallest budget       6.06 GB (host-side options on" in out and "VRAM, host-side off" in out
+    assert "smallest budget       6.74 GB (host-side options on" in out and "VRAM, host-side off" in out

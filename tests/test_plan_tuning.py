@@ -121,11 +121,24 @@ def test_tuner_shrinks_on_an_allocator_retry() -> None:
 
 def test_tuner_goes_back_to_the_fastest_plan() -> None:
     tuner = _tuner(keep=4)
-    # The first step (warm-up) leaves room: 16 layers keep; still room: all 28; that plan runs slower than
-    # the 16-layer one, so the tuner goes back to 16 and stops.
+    # The first step (warm-up) leaves room for 12 more layers, by the estimate: 6 more keep (half, while the bytes
+    # per layer are not measured); still room: 6 more; that plan runs slower than the 10-layer one, so the tuner
+    # goes back to 10 and stops.
     _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
-    assert [s.keep_activations for s in tuner.history] == [4, 16, 28]
-    assert tuner.keep == 16 and tuner.done
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16]
+    assert tuner.keep == 10 and tuner.done
+
+
+def test_tuner_grows_by_half_the_room_until_the_bytes_per_layer_are_measured() -> None:
+    tuner = _tuner(keep=0)
+    # 10 GB budget, 0.5 GB a layer by the estimate. Warm-up at 3 GB reserved: room for 12, 6 keep; the 6-layer plan
+    # at 3 GB: room for 12 more, still estimated: 6 more; the 12-layer plan peaks 1.2 GB higher than the 6-layer
+    # one, 0.2 GB a layer measured (read as 0.25 GB: never below half the estimate): room for 20 more, capped at the
+    # 28 layers, and no halving.
+    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (0.9, int(3.2 * GB), int(4.2 * GB), 0)])
+    assert [s.keep_activations for s in tuner.history] == [0, 6, 12]
+    assert tuner.measured() and tuner.measured_layer_bytes() == GB // 4
+    assert tuner.keep == 28
 
 
 def test_tuner_stops_when_the_plan_fits_and_no_layer_is_left() -> None:

@@ -220,18 +220,19 @@ def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     from poros_lightning.memory.planner import plan_engine
 
     cfg = known_config("Qwen/Qwen2.5-72B")
-    roomy, medium, tight = plan_engine(cfg, "12GB"), plan_engine(cfg, "8GB"), plan_engine(cfg, "7GB")
+    # budgets of 12, 8 and 7 GB usable: the plan leaves 10% of each budget to the allocator
+    roomy, medium, tight = plan_engine(cfg, "13.4GB"), plan_engine(cfg, "8.9GB"), plan_engine(cfg, "7.8GB")
     assert not (roomy.embeddings_on_host or roomy.head_on_host or roomy.optimizer_on_host)
     assert medium.embeddings_on_host and medium.optimizer_on_host and not medium.head_on_host  # moments first
     assert tight.embeddings_on_host and tight.head_on_host and tight.optimizer_on_host
-    assert not plan_engine(cfg, "7.7GB", head_frozen=False).head_on_host  # a trained head stays
-    with pytest.raises(PorosOOMError, match="vram_budget >= 7.61 GB"):
-        plan_engine(cfg, "7GB", head_frozen=False)
+    assert not plan_engine(cfg, "8.6GB", head_frozen=False).head_on_host  # a trained head stays
+    with pytest.raises(PorosOOMError, match="vram_budget >= 8.46 GB"):
+        plan_engine(cfg, "7.8GB", head_frozen=False)
     assert tight.engine_kwargs()["head_on_host"] and "optimizer_on_host" not in tight.engine_kwargs()
     assert any("LM head in host memory" in line for line in tight.explanation)
-    middle = plan_engine(known_config("Qwen/Qwen2.5-32B"), "6GB")  # embeddings alone suffice
+    middle = plan_engine(known_config("Qwen/Qwen2.5-32B"), "6.67GB")  # embeddings alone suffice (6 GB usable)
     assert middle.embeddings_on_host and not middle.head_on_host and not middle.optimizer_on_host
-    tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.25GB")  # a tied head stays: only the moments move
+    tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.39GB")  # a tied head stays: only the moments move
     assert not tied.embeddings_on_host and not tied.head_on_host and tied.optimizer_on_host
 
 
@@ -286,7 +287,8 @@ def test_minimum_budget_is_the_smallest_budget_plan_engine_accepts(hub_id, seq_l
     assert plan.optimizer_on_host and plan.inputs_on_host
     tied = bool(cfg.get("tie_word_embeddings"))
     assert plan.embeddings_on_host is plan.head_on_host is not tied
-    assert smallest < plan_memory(cfg, seq_len=seq_len).streamed_vram_min
+    assert plan.vram_estimate < plan_memory(cfg, seq_len=seq_len).streamed_vram_min
+    assert plan.vram_estimate <= 0.9 * smallest  # Note: [headroom]
 
 
 def test_minimum_budget_below_the_all_options_need():

@@ -11,7 +11,9 @@ Note: [measured plans]
     again: a step that needed one ran at the edge of the budget, slowly):
     - over the budget, or any retry: drop as many kept layers as the excess needs, plus one;
     - room for at least one more layer's activations (measured per layer once two plans have run): keep
-      that many more, if the step got no slower than the fastest measured plan (3% for noise);
+      that many more, if the step got no slower than the fastest measured plan (3% for noise); while the bytes
+      per layer are still the planner's estimate, only half as many (an estimate that was low for a family
+      made the next step run out of memory on the H200: Gemma-4-31B, docs/benchmarks/families.jsonl);
     - a plan slower than the fastest one measured goes back to the fastest, and the tuner stops.
     It stops after ``steps`` steps or once nothing changes; the plan then stays. Everything else a plan
     chooses (slots, resident blocks, host-side options) is sized from exact byte counts at setup.
@@ -123,6 +125,11 @@ class PlanTuner:
         (k0, p0), (k1, p1) = sorted(by_keep.items())[0], sorted(by_keep.items())[-1]
         return max(int((p1 - p0) / (k1 - k0)), self.layer_bytes // 2, 1) if k1 != k0 else self.layer_bytes
 
+    def measured(self) -> bool:
+        """Whether two plans with different kept layers have run (after the first step), so that the bytes per
+        kept layer are measured rather than estimated."""
+        return len({s.keep_activations for s in self.history[1:]}) >= 2
+
     def _apply(self, keep: int, action: str) -> None:
         keep = max(0, min(keep, self.num_layers))
         self.history[-1].action = action
@@ -155,6 +162,8 @@ class PlanTuner:
         room = int(0.9 * (self.budget - last.peak_reserved))  # fragmentation grows with what is added
         limit = self.num_layers if self._ceiling is None else self._ceiling
         more = max(min(room // per_layer, limit - self.keep), 0) if per_layer else 0
+        if more > 1 and not self.measured():  # Note: [measured plans]: half the room on an estimate
+            more //= 2
         if more > 0:
             self._apply(self.keep + more, f"room for {more} more layers' activations")
         elif len(self.history) > 1:

@@ -29,7 +29,7 @@ from poros_lightning.memory.sizes import (
     quantized_weight_bytes,
 )
 
-__all__ = ["MemoryPlan", "plan_memory"]
+__all__ = ["LAYER_SAVES_FACTOR", "MemoryPlan", "plan_memory"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,27 @@ def _layer_activation_per_token(layer: LayerShape, targets: frozenset[str], hidd
     return 4 * adapted_in + 3 * BF16 * widest + 4 * BF16 * hidden + 2 * 4 * hidden
 
 
+LAYER_SAVES_FACTOR: dict[str, float] = {
+    "qwen3": 1.1,
+    "qwen3_5_text": 2.25,
+    "qwen3_5": 2.25,
+    "gemma3_text": 1.2,
+    "gemma3": 1.2,
+    "gemma4_text": 1.5,
+    "gemma4": 1.5,
+}
+"""What a decoder layer of these families saves beyond :func:`_layer_activation_per_token` (1.0 for the others).
+
+Measured, not derived: a decoder layer's forward under PEFT LoRA (dropout 0) on the CPU, every tensor its autograd
+graph saves counted once by storage (parameters excluded), at each family's proportions
+(``tests/test_activation_estimate.py`` re-measures it and holds the estimate between 1.0 and 1.25 times the
+measurement). Largest layer over the formula, seq 256 and 512: qwen2, llama, mistral 0.98; qwen3 1.09 (the q/k
+norms save fp32 copies); gemma3 1.16 and gemma4 1.44 (four norms per layer, q/k norms, and Gemma 4's global layers
+with ``global_head_dim`` 512); qwen3_5 2.17 (the Gated DeltaNet layers, on transformers' PyTorch reference kernels,
+save their chunked intermediates). Those families ran out of memory on the H200 under plans sized without it
+(docs/benchmarks/families.jsonl)."""
+
+
 def _default_targets(model_type: str) -> tuple[str, ...]:
     spec = registered(include_unavailable=True).get(model_type)
     return spec.lora_targets if spec else STANDARD_TARGETS
@@ -187,7 +208,8 @@ def plan_memory(
     hidden, vocab = shapes.hidden_size, shapes.vocab_size
 
     layer_q = [sum(quantized_weight_bytes(lin.weight_numel, quantization) for lin in x.linears) for x in shapes.layers]
-    layer_act = [tokens * _layer_activation_per_token(x, targets, hidden) for x in shapes.layers]
+    factor = LAYER_SAVES_FACTOR.get(shapes.model_type, 1.0)
+    layer_act = [int(tokens * _layer_activation_per_token(x, targets, hidden) * factor) for x in shapes.layers]
     largest_weight = max(lin.weight_numel for x in shapes.layers for lin in x.linears)
 
     resident_params = (

@@ -26,6 +26,7 @@ __all__ = [
     "BF16",
     "DEFAULT_LINK_GBPS",
     "EnginePlan",
+    "HEADROOM",
     "LAYER_FORWARD_S",
     "LORA_BYTES_PER_PARAM",
     "MemoryPlan",
@@ -42,6 +43,14 @@ __all__ = [
 DEFAULT_LINK_GBPS = 25.0
 """Pinned host-to-device bandwidth the planner assumes when it is not told one: a PCIe 4.0 x16 link, the
 consumer cards' (``poros-lightning doctor`` measures it; the H200's Gen5 link gives 55 GB/s)."""
+HEADROOM = 0.10
+"""Share of every budget no plan spends. Note: [headroom]
+    A card's limit is on what the caching allocator reserves: rounding, fragmentation and the estimate's error
+    come on top of the estimated peak. With plans sized to the last byte of a budget (the estimate equal to the
+    budget), five of six checkpoints ran out of memory on the H200 (docs/benchmarks/families.jsonl, the
+    ``poros_min`` rows); the 16 GB plans that fitted peaked 0.35-0.55 GB above their allocated bytes in reserved
+    memory. A plan's estimate therefore stays within 90% of the budget, and what it does not spend the tuner
+    may give to kept activations as measured steps show room (``engine/tuner.py``)."""
 LAYER_FORWARD_S = 4e-3
 """About how long a decoder layer's forward takes to issue: some 100 kernel launches at about 40 us of host time
 each (the resident Qwen2.5-72B forward on the H200: 8191 kernels in 0.30-0.53 s, docs/benchmarks/qwen2.5-72b.jsonl).
@@ -164,6 +173,7 @@ def plan_engine(
     from poros_lightning.errors import PorosOOMError
 
     budget = parse_bytes(vram_budget)
+    usable = int(budget * (1 - HEADROOM))  # Note: [headroom]
     plan = plan_memory(
         cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=1, quantization=quantization,
         prefetch=1, lora_targets=lora_targets, loss_chunk_tokens=loss_chunk_tokens,
@@ -193,12 +203,12 @@ def plan_engine(
         tail = resident_left + slots + plan.lora_bytes + plan.activation_layer_bytes
         return max(fwd, update, tail) if opt_host else fwd
 
-    if need() > budget and not tied:
+    if need() > usable and not tied:
         embed_host = True
         fwd -= table
         resident_left -= table
         why.append(f"input embeddings in host memory saves {format_bytes(table)}: {format_bytes(need())}")
-    if need() > budget and moments:
+    if need() > usable and moments:
         opt_host = True
         fwd -= moments
         why.append(
@@ -212,7 +222,7 @@ def plan_engine(
         # estimate's activations (a layer's recompute, the dequantized weight, the boundary gradients).
         inputs_and_logits = plan.num_layers * tokens * int(text["hidden_size"]) * BF16 + plan.logits_bytes
         head_saves = min(table, plan.activation_streamed_bytes - inputs_and_logits)
-    if need() > budget and not tied and head_frozen:
+    if need() > usable and not tied and head_frozen:
         head_host = True
         fwd -= head_saves
         resident_left -= table
@@ -221,7 +231,7 @@ def plan_engine(
         )
     inputs = plan.num_layers * tokens * int(text["hidden_size"]) * BF16  # one saved hidden state per layer
     inputs_host = False
-    if need() > budget:
+    if need() > usable:
         inputs_host = True
         fwd -= inputs
         why.append(
@@ -234,20 +244,22 @@ def plan_engine(
     elif head_host:
         saved_fwd = fwd
         fwd += min(table, 8 * tokens * vocab)
-        if need() <= int(budget * 0.9):
+        if need() <= usable:
             head_copies = 1
             why.append(f"the head's forward copy serves its backward (one head copy per step): {format_bytes(need())}")
         else:
             fwd = saved_fwd
     total = need()
-    if total > budget:
+    if total > usable:
+        smallest = -(-total * 100 // round((1 - HEADROOM) * 100))  # the budget whose usable part holds it
         raise PorosOOMError(
             f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
-            f"batch {batch_size}, LoRA r{lora_r}; the budget is {format_bytes(budget)}.",
-            f"Use vram_budget >= {format_bytes(total)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
-            needed_bytes=total,
+            f"batch {batch_size}, LoRA r{lora_r}, and leaves {HEADROOM:.0%} of the budget to the allocator: "
+            f"{format_bytes(smallest)}; the budget is {format_bytes(budget)}.",
+            f"Use vram_budget >= {format_bytes(smallest)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
+            needed_bytes=smallest,
         )
-    spare = int(budget * 0.9) - total  # 10% headroom for allocator fragmentation and estimate error
+    spare = usable - total  # Note: [headroom]
     kept = 0
     if int(text.get("num_kv_shared_layers") or 0):
         keep_activations = False  # refused by prepare(): a later layer's backward reads an earlier layer's K/V
