@@ -492,3 +492,40 @@ def test_report_compares_rows_of_one_effective_batch_and_counts_its_tokens(tmp_p
     cells = [c.strip() for c in poros_4.strip("|").split("|")]
     assert float(cells[6]) == 10.0  # 4 rows x 10 tokens / 4 s
     assert float(cells[8]) == 1.0  # against resident_gc at the same effective batch, not at batch 1
+
+
+def test_bench_runs_take_a_chunked_loss(tmp_path: Path) -> None:
+    """loss_chunk_tokens: the head and the loss in chunks, resident, streamed and block-major; the planner sizes one
+    chunk's logits. The chunked loss is the unchunked one within float32 rounding (Note: [chunked vs unchunked])."""
+    import torch
+    from conftest import build_peft_model
+
+    from poros_lightning.tools.bench.steps import chunked_token_loss
+    from poros_lightning.tools.parity.runner import token_loss
+
+    model = build_peft_model(lora_dropout=0.0)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    whole = token_loss(model(input_ids=ids, use_cache=False).logits, ids)
+    assert torch.allclose(chunked_token_loss(model, ids, 7), whole, rtol=1e-5)
+    cfg = {
+        "model": "tiny-qwen2",
+        "model_config": tiny_config(),
+        "scale": "tiny",
+        "seq_lens": [16],
+        "lora_r": 4,
+        "batch_size": 2,
+        "steps": 1,
+        "warmup": 1,
+        "runs": [
+            {"method": "resident_gc", "accumulate": 2, "loss_chunk_tokens": 8},
+            {"method": "poros", "name": "bm", "micro_batches": 2, "loss_chunk_tokens": 8},
+            {"method": "poros", "name": "planned", "vram_budget": "4GB", "micro_batches": 2, "loss_chunk_tokens": 8},
+        ],
+        "out": str(tmp_path / "bench.jsonl"),
+    }
+    rows = {r["method"]: r for r in _run(tmp_path, cfg)}
+    assert all(r["s_per_step"] > 0 and r["loss_chunk_tokens"] == 8 and r["effective_batch"] == 4 for r in rows.values())
+    assert any("in chunks of 8 tokens" in line for line in rows["planned"]["plan"])
+    bad = {**cfg, "runs": [{"method": "poros", "loss_chunk_tokens": 0}]}
+    with pytest.raises(PorosConfigError, match="loss_chunk_tokens"):
+        _run(tmp_path, bad)

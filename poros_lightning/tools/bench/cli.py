@@ -73,6 +73,14 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
                     "accumulate: micro-batches per step, one after the other (sample-major); micro_batches: per "
                     "block (block-major, method poros only). The effective batch is batch_size x both.",
                 )
+        chunk = run.get("loss_chunk_tokens")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise PorosConfigError(
+                f"`loss_chunk_tokens` of run {run.get('name', run.get('method'))!r} in {path} must be a positive "
+                f"integer, got {chunk!r}.",
+                "loss_chunk_tokens: the LM head and the loss computed that many tokens at a time (leave it out for "
+                "the whole batch's logits at once).",
+            )
         if run.get("micro_batches", 1) > 1 and run.get("method") != "poros":
             raise PorosConfigError(
                 f"Run {run.get('name', run.get('method'))!r} in {path} sets micro_batches with method "

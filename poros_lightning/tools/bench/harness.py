@@ -139,6 +139,7 @@ def bench_methods(
         }
         optimizer_on_host = bool(run.get("optimizer_on_host"))
         accumulate, micro = int(run.get("accumulate", 1)), int(run.get("micro_batches", 1))
+        loss_chunk = run.get("loss_chunk_tokens")  # the LM head and the loss in chunks of this many tokens
         if micro > 1 and method != "poros":
             raise ValueError(f"micro_batches (block-major) is an engine option; run {method!r} takes accumulate")
         effective_batch = batch_size * accumulate * micro
@@ -152,6 +153,7 @@ def bench_methods(
 
             # Block-major keeps every micro-batch's layer inputs: plan for all their rows.
             planning = dict(seq_len=seq_len, batch_size=batch_size * micro, lora_r=lora_r, quantization=quantization)
+            planning["loss_chunk_tokens"] = loss_chunk
             full = hf_config(config).to_dict()  # the planner reads every key: the transformers defaults filled in
             # "min": the smallest budget the planner accepts (every host-side option on), the minimum-memory plan
             is_min = str(run["vram_budget"]).strip().lower() == "min"
@@ -176,6 +178,7 @@ def bench_methods(
             "accumulate": accumulate,
             "micro_batches": micro,
             "effective_batch": effective_batch,
+            "loss_chunk_tokens": loss_chunk,
             "lora_r": lora_r,
             "quantization": quantization,
             "steps": steps,
@@ -252,6 +255,7 @@ def bench_methods(
                 profile=profiled,
                 tuner=tuner,
                 accumulate=accumulate,
+                loss_chunk_tokens=loss_chunk,
             )
             s_per_step = sum(times) / len(times)
             if tuner is not None:

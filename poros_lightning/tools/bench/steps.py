@@ -19,7 +19,7 @@ from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_size
 from poros_lightning.engine.optim_state import HostOptimizerState
 from poros_lightning.tools.parity.runner import token_loss
 
-__all__ = ["install_micro_batches", "step_loop"]
+__all__ = ["chunked_token_loss", "install_micro_batches", "step_loop"]
 
 
 def install_micro_batches(model: torch.nn.Module, k: int, rows: int, device: torch.device | str) -> Any:
@@ -30,6 +30,39 @@ def install_micro_batches(model: torch.nn.Module, k: int, rows: int, device: tor
 
     replay = check_block_major(model, f"A bench run with micro_batches={k}", f"accumulate: {k}", device=device)
     return install_block_major(model, k, rows, replay_dropout=replay)
+
+
+def chunked_token_loss(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, k: int = 1) -> torch.Tensor:
+    """:func:`~poros_lightning.tools.parity.runner.token_loss` with the LM head and the loss computed
+    ``chunk_tokens`` positions at a time (``LoRALightningModule(loss_chunk_tokens=...)``'s path: the decoder stack,
+    then :func:`~poros_lightning.training.chunked_loss.chunked_causal_lm_loss`), one loss per block-major micro-batch
+    when ``k > 1``. The engine's host-memory head, when there is one, serves every chunk with one copy."""
+    import contextlib
+    import functools
+
+    from poros_lightning.api import engine_of
+    from poros_lightning.arch import arch_for_model, resolve
+    from poros_lightning.engine.microbatch import whole_batches
+    from poros_lightning.training.chunked_loss import chunked_causal_lm_loss, final_logit_softcap
+
+    base = model.get_base_model()
+    spec = arch_for_model(base, allow_unlisted=True)
+    body, head = resolve(base, spec.body), resolve(base, spec.head)
+    host = getattr(engine_of(model), "host_head", None)
+    host = host if host is not None and host.module is head else None
+    hidden = body(input_ids=ids, use_cache=False).last_hidden_state
+    loss_fn = functools.partial(
+        chunked_causal_lm_loss,
+        head=head,
+        chunk_tokens=chunk_tokens,
+        softcap=final_logit_softcap(base.config, spec),
+        host_head=host,
+        context=functools.partial(whole_batches, model),
+    )
+    with host.hold() if host is not None else contextlib.nullcontext():
+        if k > 1:
+            return micro_batch_mean(loss_fn, k, hidden, ids, sizes=micro_batch_sizes(model, len(ids)))[0]
+        return loss_fn(hidden, ids)
 
 
 def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:
@@ -62,12 +95,15 @@ def step_loop(
     profile: dict[str, Any] | None = None,
     tuner: Any = None,
     accumulate: int = 1,
+    loss_chunk_tokens: int | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
     Each batch is one step: ``accumulate > 1`` splits it into that many chunks run one after the other
     (sample-major), and a model with block-major micro-batches installed runs it as those (module docstring).
     With ``accumulate > 1`` the ``forward`` phase holds every chunk's forward and backward, and ``backward`` is 0.
+    ``loss_chunk_tokens`` computes the LM head and the loss that many tokens at a time, as
+    ``LoRALightningModule(loss_chunk_tokens=...)`` does (:func:`chunked_token_loss`): the full logits never exist.
 
     With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
     ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
@@ -118,6 +154,15 @@ def step_loop(
         if cuda:
             torch.cuda.current_stream().synchronize()
 
+    def loss_of(ids: torch.Tensor, k: int = 1) -> torch.Tensor:
+        """The batch's loss: one per micro-batch, averaged as accumulation does, when ``k`` block-major ones run."""
+        if loss_chunk_tokens:
+            return chunked_token_loss(model, ids, loss_chunk_tokens, k)
+        logits = model(input_ids=ids, use_cache=False).logits
+        if k > 1:  # block-major: one forward over all micro-batches, their losses averaged as accumulation does
+            return micro_batch_mean(token_loss, k, logits, ids, sizes=micro_batch_sizes(model, len(ids)))[0]
+        return token_loss(logits, ids)
+
     def step(ids: torch.Tensor, mark: Callable[[], None]) -> None:
         mark()
         if host is not None:
@@ -125,15 +170,10 @@ def step_loop(
         k = micro_batches_of(model)
         if accumulate > 1:  # sample-major: a forward and backward per chunk
             for chunk in ids.chunk(accumulate):
-                (token_loss(model(input_ids=chunk, use_cache=False).logits, chunk) / accumulate).backward()
+                (loss_of(chunk) / accumulate).backward()
             mark()
         else:
-            logits = model(input_ids=ids, use_cache=False).logits
-            if k > 1:  # block-major: one forward over all micro-batches, their losses averaged as accumulation does
-                loss = micro_batch_mean(token_loss, k, logits, ids, sizes=micro_batch_sizes(model, len(ids)))[0]
-            else:
-                loss = token_loss(logits, ids)
-            del logits
+            loss = loss_of(ids, k)
             mark()
             loss.backward()
         mark()
