@@ -163,3 +163,38 @@ def test_dropout_is_refused_off_cuda_and_outside_the_layers() -> None:
         check_block_major(model, "PorosStrategy(micro_batches=2)", "accumulate_grad_batches=2", device="cuda")
     del base.model.embed_dropout
     assert check_block_major(model, "PorosStrategy(micro_batches=2)", "accumulate_grad_batches=2", device="cuda")
+
+
+def _installed(rng: CounterRNG) -> tuple[nn.Module, MicroBatches]:
+    model = _model(rng)
+    base = model.get_base_model()
+    layers = list(base.model.layers)
+    splitter = MicroBatches(
+        base, [*layers, base.model.norm, base.lm_head], K, layers=len(layers), body=base.model, rng=lambda d: rng
+    )
+    splitter.micro_size = B
+    splitter.install()
+    prepare(model, device="cpu", block_size=1)
+    return model, splitter
+
+
+def test_a_second_forward_before_the_backward_is_refused() -> None:
+    """The first forward's recompute needs its own offsets: a second forward recording gradients would replace them."""
+    model, _ = _installed(CounterRNG())
+    ids = IDS[: K * B]
+    model(input_ids=ids, use_cache=False)
+    with pytest.raises(PorosError, match="before the backward of the first"):
+        model(input_ids=ids, use_cache=False)
+
+
+def test_a_draw_after_the_decoder_stops_the_step() -> None:
+    rng = CounterRNG()
+    model, _ = _installed(rng)
+    ids = IDS[: K * B]
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = micro_batch_mean(token_loss, K, CounterDropout(0.1, rng)(logits), ids)[0]  # a dropout in the loss
+    with pytest.raises(PorosError, match="after the decoder stack"):
+        loss.backward()
+    # one forward, one backward: the next step runs
+    logits = model(input_ids=ids, use_cache=False).logits
+    micro_batch_mean(token_loss, K, logits, ids)[0].backward()

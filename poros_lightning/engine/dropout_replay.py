@@ -18,9 +18,17 @@ Note: [dropout in block-major order]
     leaves the offset where layer-major accumulation leaves it (checked), and a recompute in the backward
     sets the same offsets again and restores the generator afterwards. Draws outside the decoder layers
     (an embedding dropout) run once for the whole batch in block-major order and cannot be replayed: the
-    probe refuses them. A short last batch has micro-batches of another shape: they get their own probe,
+    probe refuses them, and the end of the backward checks that nothing after the stack (the head, the loss) drew
+    any. A short last batch has micro-batches of another shape: they get their own probe,
     so such a step stays exact too (no fall-back to sample-major order is needed). On the CPU the
     generator has no offset: :func:`~poros_lightning.api.check_block_major` refuses dropout there.
+
+Note: [one forward, one backward]
+    The recompute of a layer in the backward takes its offsets from the layout of the forward it belongs to,
+    which is the last body forward until that backward ends (:meth:`DropoutReplay.finish`, called where the
+    micro-batches' gradients are summed). A second forward that records gradients before that backward would
+    replace it, so it is refused. Each probe is one extra streamed pass of one micro-batch, once per
+    micro-batch shape (pad to one length, as block-major needs anyway).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class _Layout:
     def __init__(self, generator: Any, starts: list[list[int]], advances: list[list[int]], end: int) -> None:
         self.generator, self.starts, self.advances, self.end = generator, starts, advances, end
         self.ran: set[int] = set()
+        self.open = True  # the body's forward is running: its layers may take their offsets
 
 
 class DropoutReplay:
@@ -102,7 +111,7 @@ class DropoutReplay:
             return
         backward = _in_backward()
         layout = self.current
-        if layout is None or len(layout.starts) != n or (not backward and layer in layout.ran):
+        if layout is None or len(layout.starts) != n or (not backward and (layer in layout.ran or not layout.open)):
             raise PorosError(
                 f"Decoder layer {layer} ran outside a forward of the model's decoder stack, so the offsets of its "
                 "dropout draws in block-major order are not known.",
@@ -143,7 +152,17 @@ class DropoutReplay:
         """The decoder stack's forward: measure each micro-batch shape once, then lay out this call's offsets."""
         if _in_backward() or self.probing:
             return original(*args, **kwargs)
-        lead = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+        if self.current is not None:  # Note: [one forward, one backward]
+            raise PorosError(
+                "A second forward that records gradients reached the decoder stack before the backward of the "
+                "first; block-major dropout replay gives each forward's layers their offsets, and the first "
+                "forward's recompute would take the second's.",
+                "Run backward() after each forward (one loss per training step), or use micro_batches=1 with "
+                "Trainer(accumulate_grad_batches=k), which is exact for any number of forwards.",
+            )
+        named = [kwargs.get(name) for name in ("input_ids", "inputs_embeds")]
+        candidates = (*named, *args, *kwargs.values())
+        lead = next((x for x in candidates if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
         if lead is None:
             return original(*args, **kwargs)
         rows = lead.shape[0]
@@ -181,7 +200,13 @@ class DropoutReplay:
                 offset += step
             starts.append(row)
         self.current = layout = _Layout(generator, starts, advances, offset)
-        out = original(*args, **kwargs)
+        try:
+            out = original(*args, **kwargs)
+        except BaseException:
+            self.current = None  # nothing of this forward will be differentiated
+            raise
+        finally:
+            layout.open = False
         if generator.get_offset() != offset or len(layout.ran) != len(self.layer_index):
             raise PorosError(
                 f"The decoder stack left the RNG offset at {generator.get_offset()} after running "
@@ -190,6 +215,19 @@ class DropoutReplay:
                 _EXACT_INSTEAD,
             )
         return out
+
+    def finish(self) -> None:
+        """At the end of the backward: the step drew nothing after the decoder stack, and the next forward may lay
+        out its offsets (Note: [one forward, one backward])."""
+        layout, self.current = self.current, None
+        if layout is not None and layout.generator.get_offset() != layout.end:
+            raise PorosError(
+                f"Something after the decoder stack (the head, the loss) moved the RNG offset from {layout.end} to "
+                f"{layout.generator.get_offset()}; layer-major accumulation would draw it between micro-batches, so "
+                "the next micro-batches' dropout would differ (Note: [dropout in block-major order]).",
+                "Draw no random numbers after the decoder (no dropout in the head or the loss), or use "
+                "micro_batches=1 with Trainer(accumulate_grad_batches=k), which is exact.",
+            )
 
     def _measure(
         self, original: Callable[..., Any], generator: Any, args: list[Any], kwargs: dict[str, Any]

@@ -301,6 +301,8 @@ class MicroBatches:
     def accumulate(self) -> None:
         """Add the captured per-micro-batch gradients into ``.grad``, in micro-batch order. Note: [ordered gradient sum]."""
         self.queued = False
+        if self.replay is not None:
+            self.replay.finish()
         if not self.store:
             return
         order = range(self.k - 1, -1, -1) if self.fault == "reversed_sum" else range(self.k)

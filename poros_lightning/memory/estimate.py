@@ -29,7 +29,7 @@ from poros_lightning.memory.sizes import (
     quantized_weight_bytes,
 )
 
-__all__ = ["LAYER_SAVES_FACTOR", "MemoryPlan", "plan_memory"]
+__all__ = ["HEADROOM", "LAYER_SAVES_FACTOR", "MemoryPlan", "budget_for", "plan_memory"]
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,10 @@ class MemoryPlan:
         host_ram_streamed: pinned NF4 base + a host copy of the resident modules while loading + one layer in
             bf16 while it is quantized.
         vram_budget: the budget asked about, if any.
-        fits: whether the streamed run fits ``vram_budget``.
-        resident_fits: whether a resident run with gradient checkpointing fits ``vram_budget``.
-        min_budget: the smallest budget the streamed run needs at this ``block_size`` (``streamed_vram_min``).
+        fits: whether the streamed run fits ``vram_budget`` (within its usable part: Note: [headroom]).
+        resident_fits: whether a resident run with gradient checkpointing fits ``vram_budget`` (likewise).
+        min_budget: the smallest budget the streamed run needs at this ``block_size`` (``streamed_vram_min`` and
+            the headroom).
         max_block_size: the largest ``block_size`` whose streamed run fits ``vram_budget`` (None: none fits).
         notes: what the estimate leaves out for this model.
         loss_chunk_tokens: tokens per chunk of the LM head and loss (``LoRALightningModule(loss_chunk_tokens=...)``),
@@ -103,6 +104,22 @@ class MemoryPlan:
     activation_layer_bytes: int = 0
     loss_chunk_tokens: int | None = None
     logits_bytes: int = 0
+
+
+HEADROOM = 0.10
+"""Share of every budget no plan spends. Note: [headroom]
+    A card's limit is on what the caching allocator reserves: rounding, fragmentation and the estimate's error
+    come on top of the estimated peak. With plans sized to the last byte of a budget (the estimate equal to the
+    budget), five of six checkpoints ran out of memory on the H200 (docs/benchmarks/families.jsonl, the
+    ``poros_min`` rows); the 16 GB plans that fitted peaked 0.35-0.55 GB above their allocated bytes in reserved
+    memory. A plan's estimate therefore stays within 90% of the budget, and what it does not spend the tuner
+    may give to kept activations as measured steps show room (``engine/tuner.py``)."""
+
+
+def budget_for(need: int) -> int:
+    """The smallest budget whose usable part (all but :data:`HEADROOM`) holds ``need`` bytes."""
+    keep = round((1 - HEADROOM) * 100)
+    return -(-need * 100 // keep)
 
 
 def _layer_activation_per_token(layer: LayerShape, targets: frozenset[str], hidden: int) -> int:
@@ -250,11 +267,12 @@ def plan_memory(
     largest_layer_bf16 = BF16 * max(x.linear_weight_params for x in shapes.layers)
 
     fits = resident_fits = min_budget = max_block = None
-    if budget is not None:
-        fits = streamed_min <= budget
-        resident_fits = resident_vram_gc <= budget
-        min_budget = streamed_min
-        fitting = [bs for bs in range(1, n + 1) if streamed(bs)[2] <= budget]
+    if budget is not None:  # every figure keeps HEADROOM of the budget for the allocator, as the planner does
+        usable = int(budget * (1 - HEADROOM))
+        fits = streamed_min <= usable
+        resident_fits = resident_vram_gc <= usable
+        min_budget = budget_for(streamed_min)
+        fitting = [bs for bs in range(1, n + 1) if streamed(bs)[2] <= usable]
         max_block = max(fitting) if fitting else None
 
     return MemoryPlan(

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from poros_lightning.memory.estimate import MemoryPlan, plan_memory
+from poros_lightning.memory.estimate import HEADROOM, MemoryPlan, budget_for, plan_memory
 from poros_lightning.memory.sizes import (
     BF16,
     LORA_BYTES_PER_PARAM,
@@ -43,14 +43,6 @@ __all__ = [
 DEFAULT_LINK_GBPS = 25.0
 """Pinned host-to-device bandwidth the planner assumes when it is not told one: a PCIe 4.0 x16 link, the
 consumer cards' (``poros-lightning doctor`` measures it; the H200's Gen5 link gives 55 GB/s)."""
-HEADROOM = 0.10
-"""Share of every budget no plan spends. Note: [headroom]
-    A card's limit is on what the caching allocator reserves: rounding, fragmentation and the estimate's error
-    come on top of the estimated peak. With plans sized to the last byte of a budget (the estimate equal to the
-    budget), five of six checkpoints ran out of memory on the H200 (docs/benchmarks/families.jsonl, the
-    ``poros_min`` rows); the 16 GB plans that fitted peaked 0.35-0.55 GB above their allocated bytes in reserved
-    memory. A plan's estimate therefore stays within 90% of the budget, and what it does not spend the tuner
-    may give to kept activations as measured steps show room (``engine/tuner.py``)."""
 LAYER_FORWARD_S = 4e-3
 """About how long a decoder layer's forward takes to issue: some 100 kernel launches at about 40 us of host time
 each (the resident Qwen2.5-72B forward on the H200: 8191 kernels in 0.30-0.53 s, docs/benchmarks/qwen2.5-72b.jsonl).
@@ -251,7 +243,7 @@ def plan_engine(
             fwd = saved_fwd
     total = need()
     if total > usable:
-        smallest = -(-total * 100 // round((1 - HEADROOM) * 100))  # the budget whose usable part holds it
+        smallest = budget_for(total)
         raise PorosOOMError(
             f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
             f"batch {batch_size}, LoRA r{lora_r}, and leaves {HEADROOM:.0%} of the budget to the allocator: "
