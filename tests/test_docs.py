@@ -71,7 +71,7 @@ def _values(obj: Any) -> list[Any]:
     return [obj]
 
 
-RATIO_BASELINES = ("resident_gc", "resident_gc_compiled")
+RATIO_BASELINES = ("resident_gc", "resident_gc_compiled", "resident_gc_x4")
 
 
 def _renderings() -> set[str]:
