@@ -27,10 +27,23 @@ IDS = torch.randint(0, VOCAB, (K * B + 1, T), generator=torch.Generator().manual
 
 
 class CounterRNG:
-    """A stand-in for the CUDA generator: only an offset, read and set."""
+    """A stand-in for the CUDA generator: only an offset, read and set.
+
+    The offset lives in the CPU generator's seed, so that an activation checkpoint, which records the CPU
+    generator's state before a forward and restores it for the recompute, restores the offset as it restores the
+    CUDA generator's (seed and offset) on a GPU.
+    """
 
     def __init__(self) -> None:
-        self.offset = 0
+        torch.manual_seed(0)
+
+    @property
+    def offset(self) -> int:
+        return torch.initial_seed()
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        torch.manual_seed(value)
 
     def get_offset(self) -> int:
         return self.offset

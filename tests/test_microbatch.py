@@ -58,6 +58,23 @@ def test_block_major_gradients_equal_accumulation_and_each_block_loads_once() ->
     assert loads < ref_loads / 2, (loads, ref_loads)
 
 
+def test_each_micro_batch_of_a_layer_is_recomputed_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note: [one checkpoint per micro-batch]: a layer's recompute holds one micro-batch's activations, not k."""
+    import poros_lightning.engine.block as block
+
+    rows: list[int] = []
+    run = block.LayerStreamer._run
+
+    def recording(self, index, original, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self._recomputing:
+            rows.append(args[0].shape[0])
+        return run(self, index, original, *args, **kwargs)
+
+    monkeypatch.setattr(block.LayerStreamer, "_run", recording)
+    _block_major()
+    assert rows == [B] * (4 * K)  # 4 layers, each recomputed once per micro-batch of B rows
+
+
 def test_block_major_with_the_head_in_host_memory() -> None:
     """The head's weight is copied in per use; each micro-batch's backward unpacks its own copy."""
     ref, _ = _layer_major()

@@ -8,6 +8,7 @@ import pytest
 
 from poros_lightning.arch import known_config
 from poros_lightning.errors import PorosConfigError, PorosOOMError
+from poros_lightning.memory.budget import minimum_budget
 from poros_lightning.memory.estimate import budget_for
 from poros_lightning.memory.planner import format_bytes, parse_bytes, plan_memory, quantized_weight_bytes
 
@@ -213,7 +214,9 @@ def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
     assert roomy.resident_blocks == 78 and roomy.keep_activations > 0
     # the 7B block is link-bound on a PCIe 4.0 link (the default), not at 55 GB/s
     seven = known_config("Qwen/Qwen2.5-7B")
-    assert plan_engine(seven, "4GB").resident_blocks > 0 and plan_engine(seven, "4GB", link_gbps=55).resident_blocks == 0
+    assert (
+        plan_engine(seven, "4GB").resident_blocks > 0 and plan_engine(seven, "4GB", link_gbps=55).resident_blocks == 0
+    )
 
 
 def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
@@ -307,3 +310,29 @@ def test_minimum_budget_below_the_all_options_need():
     assert plan.embeddings_on_host and not plan.optimizer_on_host
     with pytest.raises(PorosOOMError):
         plan_engine(TINY, smallest - 1, seq_len=8, lora_r=64)
+
+
+def test_block_major_micro_batches_keep_every_input_and_recompute_one_micro_batch():
+    """micro_batches=k: the layers' inputs, the boundary gradients and the unchunked logits of all k micro-batches,
+    a kept layer's activations of all k, a recompute of one (Note: [one checkpoint per micro-batch])."""
+    cfg = known_config("Qwen/Qwen2.5-7B")
+    one = plan_memory(cfg, seq_len=512, batch_size=1)
+    whole = plan_memory(cfg, seq_len=512, batch_size=16)
+    split = plan_memory(cfg, seq_len=512, batch_size=1, micro_batches=16)
+    assert split.recompute_layer_bytes == one.recompute_layer_bytes
+    assert split.activation_layer_bytes == whole.activation_layer_bytes == 16 * one.activation_layer_bytes
+    assert split.logits_bytes == whole.logits_bytes
+    # one batch of 16 rows recomputes all of them at once: block-major needs less
+    assert split.activation_streamed_bytes == whole.activation_streamed_bytes - (
+        whole.recompute_layer_bytes - one.recompute_layer_bytes
+    )
+    assert split.resident_vram_gc == one.resident_vram_gc  # the resident reference accumulates one at a time
+    with pytest.raises(PorosConfigError, match="micro_batches"):
+        plan_memory(cfg, micro_batches=0)
+    # the smallest budgets for an effective batch of 16 x 512, the head and the loss in chunks of 512 tokens
+    smallest = {
+        m: minimum_budget(known_config(m), seq_len=512, micro_batches=16, loss_chunk_tokens=512)
+        for m in ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-72B")
+    }
+    assert format_bytes(smallest["Qwen/Qwen2.5-7B"]) == "2.70 GB"
+    assert format_bytes(smallest["Qwen/Qwen2.5-72B"]) == "6.52 GB"

@@ -64,6 +64,19 @@ __all__ = ["LayerStreamer"]
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
 
+def _micro_batches_under(original: Callable[..., Any]) -> tuple[Any, nn.Module, Callable[..., Any]] | None:
+    """``(splitter, layer, the layer's own forward)`` when ``original`` is a block-major splitter's wrapper."""
+    from poros_lightning.engine.microbatch import MicroBatches
+
+    if not isinstance(original, functools.partial):
+        return None
+    splitter = getattr(original.func, "__self__", None)
+    if not isinstance(splitter, MicroBatches) or original.func.__name__ != "_forward" or len(original.args) != 2:
+        return None
+    module, inner = original.args
+    return splitter, module, inner
+
+
 class _Recomputing:
     """Marks the streamer as recomputing while entered; re-entrant, unlike a generator context."""
 
@@ -146,6 +159,11 @@ class LayerStreamer:
     def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._run(index, original, *args, **kwargs)
+        split = _micro_batches_under(original)
+        if split is not None:  # Note: [one checkpoint per micro-batch] in engine.microbatch
+            splitter, module, inner = split
+            if not splitter._whole:
+                return splitter.run_split(module, functools.partial(self._forward, index, inner), args, kwargs)
         if index >= self.keep_from:  # Note: [kept activations]
             return self._hook_output(index, self._run(index, original, *args, **kwargs))
         for name in _CACHE_KWARGS:

@@ -22,6 +22,17 @@ Note: [ordered gradient sum]
 Note: [dropout in block-major order] is in :mod:`poros_lightning.engine.dropout_replay`: on CUDA each
     (micro-batch, layer) draws where layer-major accumulation draws.
 
+Note: [one checkpoint per micro-batch]
+    A streamed decoder layer recomputes its activations in the backward. The engine's wrapper of the layer
+    (``LayerStreamer`` in engine/block.py) finds this splitter under it and checkpoints each micro-batch on its
+    own (:meth:`MicroBatches.run_split`, the checkpoint as ``call``): the backward then recomputes and
+    differentiates the micro-batches of a layer one after the other (autograd runs the later-created ones
+    first), so a layer's recompute holds one micro-batch's activations, not ``k``. The block is loaded once for
+    all of them all the same. Each micro-batch's parameter reads go through its capture in the forward; the
+    recompute reads the parameters themselves, which saves the same tensors (a capture is a view that saves
+    nothing), so the original graph's backward still reaches the captures. The dropout offset is placed before
+    each micro-batch's checkpoint, which records the generator's state and restores it for the recompute.
+
 Note: [what block-major cannot reproduce]
     The per-micro-batch loss must be computed by the module (:func:`micro_batches_of` tells it ``k``,
     :func:`micro_batch_sizes` the rows of each); a loss over the whole ``k * b`` batch has another
@@ -252,6 +263,15 @@ class MicroBatches:
             if self.replay is not None and self.replay.probing:
                 return self.replay.probed(module, original, *args, **kwargs)
             return original(*args, **kwargs)
+        return self.run_split(module, original, args, kwargs)
+
+    def run_split(self, module: nn.Module, call: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Any:
+        """``module``'s forward on ``args``/``kwargs`` as its micro-batches, one ``call`` each, outputs concatenated.
+
+        ``call`` is ``module``'s own forward, or (a streamed decoder layer) the engine's checkpoint around it, so that
+        each micro-batch is recomputed on its own in the backward (Note: [one checkpoint per micro-batch]).
+        """
+        original = call
         lead = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         rows = lead.shape[0]
         sizes = self.sizes(rows)

@@ -105,7 +105,9 @@ def plan_for(strategy: Any, peft_model: nn.Module, trainer: Any, log: logging.Lo
         base.config.to_dict(),
         budget,
         seq_len=int(seq_len),
-        batch_size=batch if strategy.micro_batches == 1 else max(batch, strategy.micro_batches),
+        # block-major: the data's batches hold micro_batches micro-batches (PorosStrategy checks the multiple)
+        batch_size=max(batch // strategy.micro_batches, 1),
+        micro_batches=strategy.micro_batches,
         lora_r=int(lora.r),
         quantization=strategy.quantization,
         head_frozen=not getattr(getattr(head, "weight", None), "requires_grad", False),

@@ -54,6 +54,7 @@ class MemoryPlan:
         activation_resident_gc_bytes: estimate for a resident run with per-layer gradient checkpointing.
         activation_layer_bytes: estimate: what the largest decoder layer saves when it keeps its activations
             (``keep_activations``) instead of recomputing them.
+        recompute_layer_bytes: estimate: what the largest decoder layer's recompute holds (one micro-batch).
         streamed_vram_min: resident + LoRA + ``slots`` block slots + streamed activations.
         resident_vram: NF4 base + resident + LoRA + activations without checkpointing.
         resident_vram_gc: the same with gradient checkpointing.
@@ -102,6 +103,7 @@ class MemoryPlan:
     max_block_size: int | None = None
     notes: tuple[str, ...] = ()
     activation_layer_bytes: int = 0
+    recompute_layer_bytes: int = 0
     loss_chunk_tokens: int | None = None
     logits_bytes: int = 0
 
@@ -182,6 +184,7 @@ def plan_memory(
     vram_budget: int | str | None = None,
     lora_targets: Sequence[str] | None = None,
     loss_chunk_tokens: int | None = None,
+    micro_batches: int = 1,
 ) -> MemoryPlan:
     """Plan the memory of one QLoRA training step for the model described by ``cfg``.
 
@@ -197,6 +200,11 @@ def plan_memory(
         lora_targets: linear layer names LoRA adapts (default: the family's registry entry).
         loss_chunk_tokens: the LM head and the loss computed this many tokens at a time
             (``LoRALightningModule(loss_chunk_tokens=...)``): the logits term counts one chunk, not every token.
+        micro_batches: ``k`` block-major micro-batches of ``batch_size`` rows per step
+            (``PorosStrategy(micro_batches=k)``): every layer's input and the boundary gradients are kept for all
+            ``k``, a kept layer keeps all ``k`` micro-batches' activations, the unchunked logits are those of all
+            ``k``; a recompute holds one micro-batch (Note: [one checkpoint per micro-batch] in engine.microbatch).
+            The resident figures are those of a resident run accumulating the ``k`` one after the other.
 
     Returns:
         The plan; every size is in bytes (see :class:`MemoryPlan` for which are estimates).
@@ -205,7 +213,9 @@ def plan_memory(
         PorosConfigError: an argument is out of range.
     """
     shapes = cfg if isinstance(cfg, ModelShapes) else model_shapes(cfg)
-    _check_positive(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=block_size)
+    _check_positive(
+        seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=block_size, micro_batches=micro_batches
+    )
     if loss_chunk_tokens is not None:
         _check_positive(loss_chunk_tokens=loss_chunk_tokens)
     if not isinstance(prefetch, int) or prefetch < 0:
@@ -251,11 +261,16 @@ def plan_memory(
     # Shared by every mode: the bf16 weight bitsandbytes dequantizes for one matmul, the gradients flowing
     # across a block boundary (output and input), and the logits with their fp32 upcast and gradient.
     common = BF16 * largest_weight + 2 * boundary + logits
+    # Block-major: the inputs, the boundary gradients and the unchunked logits of all k micro-batches at once.
+    k = micro_batches
+    boundary_all = k * boundary
+    logits_all = min(k * tokens, loss_chunk_tokens or k * tokens) * vocab * (BF16 + 4 + 4)
+    common_all = BF16 * largest_weight + 2 * boundary_all + logits_all
 
     def streamed(bs: int) -> tuple[int, int, int]:
         starts = range(0, n, bs)
         block_bytes = max(sum(layer_q[s : s + bs]) for s in starts)
-        act = len(starts) * boundary + max(sum(layer_act[s : s + bs]) for s in starts) + common
+        act = len(starts) * boundary_all + max(sum(layer_act[s : s + bs]) for s in starts) + common_all
         return block_bytes, act, resident + lora + max(2, prefetch + 1) * block_bytes + act
 
     per_block, act_streamed, streamed_min = streamed(block_size)
@@ -305,7 +320,8 @@ def plan_memory(
         min_budget=min_budget,
         max_block_size=max_block,
         notes=shapes.notes,
-        activation_layer_bytes=max(layer_act),
+        activation_layer_bytes=k * max(layer_act),
+        recompute_layer_bytes=max(layer_act),
         loss_chunk_tokens=loss_chunk_tokens,
-        logits_bytes=logits,
+        logits_bytes=logits_all,
     )

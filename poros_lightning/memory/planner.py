@@ -118,6 +118,7 @@ def plan_engine(
     keep_activations: bool = True,
     link_gbps: float | None = None,
     loss_chunk_tokens: int | None = None,
+    micro_batches: int = 1,
 ) -> EnginePlan:
     """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
 
@@ -168,12 +169,12 @@ def plan_engine(
     usable = int(budget * (1 - HEADROOM))  # Note: [headroom]
     plan = plan_memory(
         cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=1, quantization=quantization,
-        prefetch=1, lora_targets=lora_targets, loss_chunk_tokens=loss_chunk_tokens,
+        prefetch=1, lora_targets=lora_targets, loss_chunk_tokens=loss_chunk_tokens, micro_batches=micro_batches,
     )  # fmt: skip
     text = _text_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     table = int(text["vocab_size"]) * int(text["hidden_size"]) * BF16
-    tokens = batch_size * seq_len
+    tokens = batch_size * micro_batches * seq_len  # block-major: every micro-batch's inputs and logits at once
     moments = plan.lora_params * 8  # AdamW's exp_avg and exp_avg_sq, fp32
     slots = plan.slots * plan.per_block_bytes
     # The forward/backward peak, and the optimizer update's peak once the moments live on the host:
@@ -192,7 +193,7 @@ def plan_engine(
         update = resident_left + slots + plan.lora_bytes + plan.lora_params * 4
         # The moments come in during the backward's last quarter (Note: [when the state moves]), beside
         # the adapter, its gradient and one layer's recompute.
-        tail = resident_left + slots + plan.lora_bytes + plan.activation_layer_bytes
+        tail = resident_left + slots + plan.lora_bytes + plan.recompute_layer_bytes
         return max(fwd, update, tail) if opt_host else fwd
 
     if need() > usable and not tied:
@@ -246,7 +247,8 @@ def plan_engine(
         smallest = budget_for(total)
         raise PorosOOMError(
             f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
-            f"batch {batch_size}, LoRA r{lora_r}, and leaves {HEADROOM:.0%} of the budget to the allocator: "
+            f"batch {batch_size}{f' x {micro_batches} block-major micro-batches' if micro_batches > 1 else ''}, "
+            f"LoRA r{lora_r}, and leaves {HEADROOM:.0%} of the budget to the allocator: "
             f"{format_bytes(smallest)}; the budget is {format_bytes(budget)}.",
             f"Use vram_budget >= {format_bytes(smallest)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
             needed_bytes=smallest,

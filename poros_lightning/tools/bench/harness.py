@@ -151,8 +151,9 @@ def bench_methods(
             from poros_lightning.memory.budget import minimum_budget
             from poros_lightning.memory.planner import parse_bytes, plan_engine
 
-            # Block-major keeps every micro-batch's layer inputs: plan for all their rows.
-            planning = dict(seq_len=seq_len, batch_size=batch_size * micro, lora_r=lora_r, quantization=quantization)
+            # Block-major: the planner counts every micro-batch's layer inputs, a recompute one micro-batch's.
+            planning = dict(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization)
+            planning["micro_batches"] = micro
             planning["loss_chunk_tokens"] = loss_chunk
             full = hf_config(config).to_dict()  # the planner reads every key: the transformers defaults filled in
             # "min": the smallest budget the planner accepts (every host-side option on), the minimum-memory plan
