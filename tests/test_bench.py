@@ -529,3 +529,27 @@ def test_bench_runs_take_a_chunked_loss(tmp_path: Path) -> None:
     bad = {**cfg, "runs": [{"method": "poros", "loss_chunk_tokens": 0}]}
     with pytest.raises(PorosConfigError, match="loss_chunk_tokens"):
         _run(tmp_path, bad)
+
+
+def test_resident_paged_adamw_is_a_run_and_a_refused_row_off_cuda(tmp_path: Path) -> None:
+    """The common resident QLoRA recipe (gradient checkpointing, bitsandbytes' paged 8-bit AdamW) as a peer run; off
+    CUDA it is recorded as a refused row and the runs after it go on."""
+    cfg = {
+        "model": "tiny-qwen2",
+        "model_config": tiny_config(),
+        "scale": "tiny",
+        "seq_lens": [16],
+        "lora_r": 4,
+        "steps": 1,
+        "warmup": 1,
+        "runs": [
+            {"method": "resident_gc", "name": "resident_gc_paged_adamw_8bit", "optimizer": "paged_adamw_8bit"},
+            {"method": "resident_gc"},
+        ],
+        "out": str(tmp_path / "bench.jsonl"),
+    }
+    paged, plain = _run(tmp_path, cfg)
+    assert paged["refused"] and "CUDA only" in paged["refusal"] and paged["optimizer"] == "paged_adamw_8bit"
+    assert plain["s_per_step"] > 0 and plain["optimizer"] == "adamw"
+    with pytest.raises(PorosConfigError, match="optimizer"):
+        _run(tmp_path, {**cfg, "runs": [{"method": "resident_gc", "optimizer": "sgd"}]})

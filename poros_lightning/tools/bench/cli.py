@@ -73,6 +73,11 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
                     "accumulate: micro-batches per step, one after the other (sample-major); micro_batches: per "
                     "block (block-major, method poros only). The effective batch is batch_size x both.",
                 )
+        if run.get("optimizer", "adamw") not in ("adamw", "paged_adamw_8bit"):
+            raise PorosConfigError(
+                f"Unknown optimizer {run.get('optimizer')!r} of run {run.get('name', run.get('method'))!r} in {path}.",
+                "optimizer: adamw (torch.optim.AdamW, the default) or paged_adamw_8bit (bitsandbytes, CUDA only).",
+            )
         chunk = run.get("loss_chunk_tokens")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise PorosConfigError(

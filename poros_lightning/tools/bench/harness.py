@@ -140,12 +140,15 @@ def bench_methods(
         optimizer_on_host = bool(run.get("optimizer_on_host"))
         accumulate, micro = int(run.get("accumulate", 1)), int(run.get("micro_batches", 1))
         loss_chunk = run.get("loss_chunk_tokens")  # the LM head and the loss in chunks of this many tokens
+        optimizer = run.get("optimizer", "adamw")
         if micro > 1 and method != "poros":
             raise ValueError(f"micro_batches (block-major) is an engine option; run {method!r} takes accumulate")
         effective_batch = batch_size * accumulate * micro
         memory_cap = run.get("memory_cap_gb")
         planned: dict[str, Any] = {"vram_budget": None, "planned_peak_gb": None}
         refusal: dict[str, Any] | None = None
+        if optimizer == "paged_adamw_8bit" and device != "cuda":  # an answer, recorded as a row
+            refusal = {"refused": True, "refusal": "paged_adamw_8bit pages its state through CUDA memory: CUDA only"}
         if run.get("vram_budget") is not None:
             from poros_lightning.errors import PorosOOMError
             from poros_lightning.memory.budget import minimum_budget
@@ -180,6 +183,7 @@ def bench_methods(
             "micro_batches": micro,
             "effective_batch": effective_batch,
             "loss_chunk_tokens": loss_chunk,
+            "optimizer": optimizer,
             "lora_r": lora_r,
             "quantization": quantization,
             "steps": steps,
@@ -257,6 +261,7 @@ def bench_methods(
                 tuner=tuner,
                 accumulate=accumulate,
                 loss_chunk_tokens=loss_chunk,
+                optimizer=optimizer,
             )
             s_per_step = sum(times) / len(times)
             if tuner is not None:

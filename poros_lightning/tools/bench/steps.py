@@ -96,12 +96,15 @@ def step_loop(
     tuner: Any = None,
     accumulate: int = 1,
     loss_chunk_tokens: int | None = None,
+    optimizer: str = "adamw",
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
     Each batch is one step: ``accumulate > 1`` splits it into that many chunks run one after the other
     (sample-major), and a model with block-major micro-batches installed runs it as those (module docstring).
     With ``accumulate > 1`` the ``forward`` phase holds every chunk's forward and backward, and ``backward`` is 0.
+    ``optimizer``: ``"adamw"`` (``torch.optim.AdamW``) or ``"paged_adamw_8bit"`` (bitsandbytes' paged 8-bit AdamW,
+    the optimizer of the common resident QLoRA recipe; CUDA only).
     ``loss_chunk_tokens`` computes the LM head and the loss that many tokens at a time, as
     ``LoRALightningModule(loss_chunk_tokens=...)`` does (:func:`chunked_token_loss`): the full logits never exist.
 
@@ -127,7 +130,12 @@ def step_loop(
     as they do in training; what is still running after the last step counts in that step's time.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    if optimizer == "paged_adamw_8bit":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.PagedAdamW8bit(params, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4)
     host = HostOptimizerState(opt) if optimizer_on_host else None
     cuda = device == "cuda"
     phases = peaks if peaks is not None else {}
