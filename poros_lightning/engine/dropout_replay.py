@@ -15,8 +15,11 @@ Note: [dropout in block-major order]
     body runs that micro-batch alone under ``no_grad`` (the same kernels draw the same amounts) and the
     offset is read around every layer; then the offset is put back. Every chunk's advance in the real
     forward is checked against the probe's (a mismatch raises before the optimizer step), the body's end
-    leaves the offset where layer-major accumulation leaves it (checked), and a recompute in the backward
-    sets the same offsets again and restores the generator afterwards. Draws outside the decoder layers
+    leaves the offset where layer-major accumulation leaves it (checked). A streamed layer checkpoints each
+    micro-batch on its own (Note: [one checkpoint per micro-batch] in engine.microbatch) after its offset is set,
+    and the checkpoint records the generator's state and restores it for the recompute; where the recompute runs
+    through the splitter instead (a layer checkpointed around all its micro-batches), it sets the same offsets
+    again and restores the generator afterwards. Draws outside the decoder layers
     (an embedding dropout) run once for the whole batch in block-major order and cannot be replayed: the
     probe refuses them, and the end of the backward checks that nothing after the stack (the head, the loss) drew
     any. A short last batch has micro-batches of another shape: they get their own probe,
