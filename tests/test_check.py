@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from poros_lightning.arch import registered
+from poros_lightning.arch import known_config, registered
 from poros_lightning.errors import PorosConfigError
 from poros_lightning.tools.check import check, format_check, load_config, main
 
@@ -269,3 +269,18 @@ def test_smallest_budget_has_every_host_side_option_on(capsys):
     assert main(["Qwen/Qwen2.5-72B"]) == 0  # printed without a budget too
     out = capsys.readouterr().out
     assert "smallest budget       6.74 GB (host-side options on" in out and "VRAM, host-side off" in out
+
+
+def test_check_plans_block_major_micro_batches(capsys):
+    """--micro-batches K: the plan PorosStrategy(micro_batches=K) makes, and the smallest budget for it."""
+    from poros_lightning.memory.budget import minimum_budget
+    from poros_lightning.memory.planner import format_bytes
+
+    args = ["Qwen/Qwen2.5-7B", "--micro-batches", "16", "--loss-chunk-tokens", "512", "--vram-budget", "3GB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "batch 1 x 16 block-major micro-batches" in out
+    smallest = minimum_budget(known_config("Qwen/Qwen2.5-7B"), micro_batches=16, loss_chunk_tokens=512)
+    assert f"VRAM budget 3.00 GB: fits (the smallest budget that does: {format_bytes(smallest)}" in out
+    result = check("Qwen/Qwen2.5-7B", micro_batches=16, loss_chunk_tokens=512)
+    assert result.plan.micro_batches == 16 and result.minimum_budget == smallest

@@ -70,7 +70,9 @@ class MemoryPlan:
         loss_chunk_tokens: tokens per chunk of the LM head and loss (``LoRALightningModule(loss_chunk_tokens=...)``),
             or None (unchunked).
         logits_bytes: estimate: the logits term of the activations, ``10 x tokens x vocabulary`` bytes (bf16,
-            fp32 upcast, fp32 gradient), of ``min(tokens, loss_chunk_tokens)`` tokens with a chunked loss.
+            fp32 upcast, fp32 gradient), of ``min(tokens, loss_chunk_tokens)`` tokens with a chunked loss (of all
+            block-major micro-batches' tokens).
+        micro_batches: block-major micro-batches of ``batch_size`` per step the plan is for.
     """
 
     model_type: str
@@ -106,6 +108,7 @@ class MemoryPlan:
     recompute_layer_bytes: int = 0
     loss_chunk_tokens: int | None = None
     logits_bytes: int = 0
+    micro_batches: int = 1
 
 
 HEADROOM = 0.10
@@ -324,4 +327,5 @@ def plan_memory(
         recompute_layer_bytes=max(layer_act),
         loss_chunk_tokens=loss_chunk_tokens,
         logits_bytes=logits_all,
+        micro_batches=micro_batches,
     )

@@ -221,6 +221,7 @@ def check(
     allow_unlisted: bool = False,
     link_gbps: float | None = None,
     loss_chunk_tokens: int | None = None,
+    micro_batches: int = 1,
 ) -> CheckResult:
     """Check MODEL's support status and plan its memory (see :func:`poros_lightning.memory.planner.plan_memory`).
 
@@ -238,6 +239,7 @@ def check(
             default :data:`~poros_lightning.memory.planner.DEFAULT_LINK_GBPS`).
         loss_chunk_tokens: the LM head and the loss in chunks of this many tokens
             (``LoRALightningModule(loss_chunk_tokens=...)``); None: unchunked.
+        micro_batches: ``k`` block-major micro-batches of ``batch_size`` per step (``PorosStrategy(micro_batches=k)``).
 
     Returns:
         The result; an unsupported model gives ``supported=False`` and the reason in ``error``.
@@ -273,11 +275,12 @@ def check(
         vram_budget=vram_budget,
         lora_targets=spec.lora_targets,
         loss_chunk_tokens=loss_chunk_tokens,
+        micro_batches=micro_batches,
     )
     notes.extend(plan.notes)
     # The strategy's own call (PorosStrategy._plan): the same arguments, the planner's defaults for the rest.
     planning = dict(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization)
-    planning.update(loss_chunk_tokens=loss_chunk_tokens)
+    planning.update(loss_chunk_tokens=loss_chunk_tokens, micro_batches=micro_batches)
     smallest = minimum_budget(cfg, **planning, lora_targets=spec.lora_targets)
     engine_plan: tuple[str, ...] = ()
     engine_options = None
@@ -352,7 +355,9 @@ def format_check(result: CheckResult) -> str:
         f"parameters      {_params(plan.params_total)}",
         f"LoRA            r={plan.lora_r} on {', '.join(spec.lora_targets)}: {plan.lora_params:,} parameters",
         "",
-        f"memory plan     seq_len {plan.seq_len}, batch {plan.batch_size}, {plan.quantization}, block_size "
+        f"memory plan     seq_len {plan.seq_len}, batch {plan.batch_size}"
+        + (f" x {plan.micro_batches} block-major micro-batches" if plan.micro_batches > 1 else "")
+        + f", {plan.quantization}, block_size "
         f"{plan.block_size} ({plan.num_blocks} blocks of {plan.num_layers} layers), prefetch {plan.prefetch}",
         f"  NF4 base (decoder linear weights)        {format_bytes(plan.nf4_base_bytes):>10}",
         f"  per block (one GPU slot, {plan.slots} slots)      {format_bytes(plan.per_block_bytes):>10}",
@@ -412,6 +417,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="plan for the LM head and loss in chunks of N tokens (LoRALightningModule(loss_chunk_tokens=N))",
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="plan for K block-major micro-batches of --batch-size per step (PorosStrategy(micro_batches=K))",
+    )
     parser.add_argument("--allow-unlisted", action="store_true", help="try an unregistered model type (guessed layout)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
@@ -434,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             allow_unlisted=args.allow_unlisted,
             link_gbps=args.link_gbps,
             loss_chunk_tokens=args.loss_chunk_tokens,
+            micro_batches=args.micro_batches,
         )
     except PorosConfigError as err:
         print(f"error: {err}", file=sys.stderr)
