@@ -40,7 +40,13 @@ if TYPE_CHECKING:
     from poros_lightning.arch import ArchSpec
     from poros_lightning.engine.head import HostHead
 
-__all__ = ["check_chunk_tokens", "chunked_causal_lm_eval", "chunked_causal_lm_loss", "final_logit_softcap"]
+__all__ = [
+    "check_chunk_tokens",
+    "chunked_causal_lm_eval",
+    "chunked_causal_lm_loss",
+    "final_logit_softcap",
+    "peft_chunked_loss",
+]
 
 
 def _positive_int(value: Any) -> bool:
@@ -242,6 +248,45 @@ def chunked_causal_lm_loss(
     total = _ChunkedLoss.apply(hidden.reshape(b * t, width), targets, spec, *params)
     count = (targets != ignore_index).sum()
     return total / count.clamp_min(1)
+
+
+def peft_chunked_loss(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: nn.Module,
+    chunk_tokens: int,
+    *,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """:func:`chunked_causal_lm_loss` of the PEFT ``model``'s final hidden states, as a training step takes it.
+
+    The engine's host-memory head, when it keeps ``head``, serves every chunk with one copy (Note: [held weight] in
+    engine.head); with block-major micro-batches installed, one loss per micro-batch, averaged as accumulation does,
+    and the backward calls the head per chunk of one micro-batch.
+    """
+    import functools
+
+    from poros_lightning.api import engine_of
+    from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of, whole_batches
+
+    host = getattr(engine_of(model), "host_head", None)
+    host = host if host is not None and host.module is head else None
+    loss_fn = functools.partial(
+        chunked_causal_lm_loss,
+        head=head,
+        chunk_tokens=chunk_tokens,
+        softcap=softcap,
+        host_head=host,
+        context=functools.partial(whole_batches, model),
+        ignore_index=ignore_index,
+    )
+    k = micro_batches_of(model)
+    with host.hold() if host is not None else contextlib.nullcontext():
+        if k > 1:
+            return micro_batch_mean(loss_fn, k, hidden, labels, sizes=micro_batch_sizes(model, labels.shape[0]))[0]
+        return loss_fn(hidden, labels)
 
 
 @torch.no_grad()

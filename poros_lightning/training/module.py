@@ -11,8 +11,6 @@ this one is the ready-made recipe.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -27,13 +25,13 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of, whole_batches
+from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
 from poros_lightning.errors import NonFiniteLossError, PorosConfigError, PorosError, ResumeMismatchError
 from poros_lightning.training.chunked_loss import (
     check_chunk_tokens,
     chunked_causal_lm_eval,
-    chunked_causal_lm_loss,
     final_logit_softcap,
+    peft_chunked_loss,
 )
 from poros_lightning.training.models import load_base_model
 
@@ -218,24 +216,17 @@ class LoRALightningModule(L.LightningModule):
 
     def _chunked_loss(self, batch: Batch) -> torch.Tensor:
         """The training loss with the head and the loss in chunks (one loss per block-major micro-batch)."""
-        hidden = self._hidden(batch)
-        head, host = self._lm_head()
-        loss_fn = functools.partial(
-            chunked_causal_lm_loss,
-            head=head,
-            chunk_tokens=self.loss_chunk_tokens,
+        assert self._lm_parts is not None
+        head, _ = self._lm_head()
+        return peft_chunked_loss(
+            self.model,
+            self._hidden(batch),
+            batch["labels"],
+            head,
+            self.loss_chunk_tokens,
             softcap=self._lm_parts[2],
-            host_head=host,
-            context=functools.partial(whole_batches, self.model),  # the backward calls the head per chunk
             ignore_index=IGNORE_INDEX,
         )
-        k = micro_batches_of(self.model)
-        # One copy of a host head's weight serves every micro-batch's chunks (Note: [held weight] in engine.head).
-        with host.hold() if host is not None else contextlib.nullcontext():
-            if k > 1:
-                sizes = micro_batch_sizes(self.model, batch["input_ids"].shape[0])
-                return micro_batch_mean(loss_fn, k, hidden, batch["labels"], sizes=sizes)[0]
-            return loss_fn(hidden, batch["labels"])
 
     @override
     def on_fit_start(self) -> None:

@@ -32,37 +32,19 @@ def install_micro_batches(model: torch.nn.Module, k: int, rows: int, device: tor
     return install_block_major(model, k, rows, replay_dropout=replay)
 
 
-def chunked_token_loss(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, k: int = 1) -> torch.Tensor:
+def chunked_token_loss(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """:func:`~poros_lightning.tools.parity.runner.token_loss` with the LM head and the loss computed
-    ``chunk_tokens`` positions at a time (``LoRALightningModule(loss_chunk_tokens=...)``'s path: the decoder stack,
-    then :func:`~poros_lightning.training.chunked_loss.chunked_causal_lm_loss`), one loss per block-major micro-batch
-    when ``k > 1``. The engine's host-memory head, when there is one, serves every chunk with one copy."""
-    import contextlib
-    import functools
-
-    from poros_lightning.api import engine_of
+    ``chunk_tokens`` positions at a time, as ``LoRALightningModule(loss_chunk_tokens=...)`` computes it (the decoder
+    stack, then :func:`~poros_lightning.training.chunked_loss.peft_chunked_loss`; one loss per block-major
+    micro-batch when block-major micro-batches are installed)."""
     from poros_lightning.arch import arch_for_model, resolve
-    from poros_lightning.engine.microbatch import whole_batches
-    from poros_lightning.training.chunked_loss import chunked_causal_lm_loss, final_logit_softcap
+    from poros_lightning.training.chunked_loss import final_logit_softcap, peft_chunked_loss
 
     base = model.get_base_model()
     spec = arch_for_model(base, allow_unlisted=True)
-    body, head = resolve(base, spec.body), resolve(base, spec.head)
-    host = getattr(engine_of(model), "host_head", None)
-    host = host if host is not None and host.module is head else None
-    hidden = body(input_ids=ids, use_cache=False).last_hidden_state
-    loss_fn = functools.partial(
-        chunked_causal_lm_loss,
-        head=head,
-        chunk_tokens=chunk_tokens,
-        softcap=final_logit_softcap(base.config, spec),
-        host_head=host,
-        context=functools.partial(whole_batches, model),
-    )
-    with host.hold() if host is not None else contextlib.nullcontext():
-        if k > 1:
-            return micro_batch_mean(loss_fn, k, hidden, ids, sizes=micro_batch_sizes(model, len(ids)))[0]
-        return loss_fn(hidden, ids)
+    hidden = resolve(base, spec.body)(input_ids=ids, use_cache=False).last_hidden_state
+    softcap = final_logit_softcap(base.config, spec)
+    return peft_chunked_loss(model, hidden, ids, resolve(base, spec.head), chunk_tokens, softcap=softcap)
 
 
 def _recorder(events: list[Any], stamps: list[float]) -> Callable[[], None]:
@@ -165,7 +147,7 @@ def step_loop(
     def loss_of(ids: torch.Tensor, k: int = 1) -> torch.Tensor:
         """The batch's loss: one per micro-batch, averaged as accumulation does, when ``k`` block-major ones run."""
         if loss_chunk_tokens:
-            return chunked_token_loss(model, ids, loss_chunk_tokens, k)
+            return chunked_token_loss(model, ids, loss_chunk_tokens)
         logits = model(input_ids=ids, use_cache=False).logits
         if k > 1:  # block-major: one forward over all micro-batches, their losses averaged as accumulation does
             return micro_batch_mean(token_loss, k, logits, ids, sizes=micro_batch_sizes(model, len(ids)))[0]
