@@ -158,10 +158,11 @@ Measured, not derived: a decoder layer's forward under PEFT LoRA (dropout 0) on 
 graph saves counted once by storage (parameters excluded), at each family's proportions
 (``tests/test_activation_estimate.py`` re-measures it and holds the estimate between 1.0 and 1.25 times the
 measurement). Largest layer over the formula, seq 256 and 512: qwen2, llama, mistral 0.98; qwen3 1.09 (the q/k
-norms save fp32 copies); gemma3 1.16 and gemma4 1.44 (four norms per layer, q/k norms, and Gemma 4's global layers
+norms save fp32 copies); gemma3 1.17 and gemma4 1.44 (four norms per layer, q/k norms, and Gemma 4's global layers
 with ``global_head_dim`` 512); qwen3_5 2.17 (the Gated DeltaNet layers, on transformers' PyTorch reference kernels,
 save their chunked intermediates). Those families ran out of memory on the H200 under plans sized without it
-(docs/benchmarks/families.jsonl)."""
+(docs/benchmarks/families.jsonl). The rows, full-width layers included: docs/validation/activation_estimate.jsonl
+(:mod:`poros_lightning.tools.activation_probe`)."""
 
 
 def _default_targets(model_type: str) -> tuple[str, ...]:
