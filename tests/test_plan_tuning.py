@@ -74,6 +74,28 @@ def test_a_plan_changed_between_steps_stays_equal(reference: Recorder) -> None:
     assert replan.seen[:3] == [0, 2, 0] and replan.seen[3] > 2
 
 
+class Reside(L.Callback):
+    """Changes how many blocks stay resident before given training batches."""
+
+    def __init__(self, resident: dict[int, int]) -> None:
+        self.resident = resident
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:  # noqa: ANN001
+        engine = engine_of(module.net)
+        if batch_idx in self.resident:
+            engine.set_resident_blocks(self.resident[batch_idx])
+        self.seen.append((engine.options.resident_blocks, list(engine.ring.resident_at)))
+
+
+def test_resident_blocks_changed_between_steps_stay_equal(reference: Recorder) -> None:
+    reside = Reside({1: 1, 2: 0, 3: 99})  # one block resident, none, all of them
+    _assert_equal(reference, _fit(PorosStrategy(vram_budget="off"), reside))
+    counts = [n for n, _ in reside.seen]
+    assert counts[:3] == [0, 1, 0] and counts[3] > 1
+    assert reside.seen[1][1] and not reside.seen[2][1]
+
+
 def test_the_tuner_moves_the_plan_and_the_run_stays_equal(reference: Recorder) -> None:
     # (peak allocated, peak reserved, retries) read at each boundary: room, then over the budget.
     stats = [(0, 0, 0), (3 * GB, 4 * GB, 0), (0, 0, 0), (11 * GB, 12 * GB, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0)]
@@ -219,3 +241,59 @@ def test_one_definition_of_the_engine_options(cls: type) -> None:
         assert defaults()[name] == value, name
     prepare_params = inspect.signature(prepare).parameters
     assert {o.name for o in OPTIONS} - {"optimizer_on_host"} <= prepare_params.keys()
+
+
+def _timed_tuner(copy_ms: float, forward_ms: float, **kw) -> tuple[PlanTuner, list]:  # noqa: ANN003
+    """A tuner whose steps' device timings are ``copy_ms`` per block copy and ``forward_ms`` per block forward."""
+    calls: list = []
+    tuner = _tuner(
+        set_resident=lambda n: calls.append(("resident", n)), timer=lambda on: calls.append(("timer", on)),
+        timings=lambda: {"copy_s": copy_ms / 1e3, "block_forward_s": forward_ms / 1e3}, num_blocks=28,
+        block_bytes=GB // 4, **kw,
+    )  # fmt: skip
+    return tuner, calls
+
+
+def test_hidden_copies_turn_resident_blocks_into_kept_activations() -> None:
+    # 32B on the H200: a block copied in 4.6 ms against a 5.4 ms block forward. Six resident blocks of a quarter GB
+    # are 1.5 GB: three layers' activations at half a GB. The budget is full, so only the trade moves the plan.
+    tuner, calls = _timed_tuner(4.6, 5.4, keep=2, resident=6)
+    full = (9 * GB, int(9.9 * GB), 0)
+    _drive(tuner, [(5.0, *full), (1.0, *full), (1.2, *full)])  # the traded plan runs slower
+    assert [(s.keep_activations, s.resident_blocks) for s in tuner.history] == [(2, 6), (2, 6), (5, 0)]
+    assert "copies hidden" in tuner.history[1].action and ("resident", 0) in calls
+    assert tuner.history[1].copy_s == pytest.approx(4.6e-3)
+    # Back to the measured plan, resident blocks included, and the timing stops.
+    assert (tuner.keep, tuner.resident, tuner.done) == (2, 6, True) and calls[-2:] == [
+        ("resident", 6),
+        ("timer", False),
+    ]
+    assert calls.count(("timer", True)) == 3
+
+
+def test_copies_that_bound_the_step_turn_kept_activations_into_resident_blocks() -> None:
+    tuner, calls = _timed_tuner(6.0, 6.1, keep=4, resident=0)
+    full = (9 * GB, int(9.9 * GB), 0)
+    _drive(tuner, [(5.0, *full), (1.0, *full), (0.9, *full)])  # faster: the new plan stays
+    assert "copies bound the step" in tuner.history[1].action
+    assert (tuner.keep, tuner.resident, tuner.done) == (0, 8, True)  # 4 layers x 0.5 GB = 8 blocks x 0.25 GB
+
+
+def test_no_trade_without_timings_or_when_too_little_is_resident() -> None:
+    tuner = _tuner(keep=2, resident=6, num_blocks=28, block_bytes=GB // 4)  # no set_resident: resident is left
+    _drive(tuner, [(5.0, 9 * GB, int(9.9 * GB), 0), (1.0, 9 * GB, int(9.9 * GB), 0)])
+    assert (tuner.keep, tuner.resident) == (2, 6)
+    tuner, _ = _timed_tuner(4.6, 5.4, keep=2, resident=1)  # one quarter GB block is less than a layer's half GB
+    _drive(tuner, [(5.0, 9 * GB, int(9.9 * GB), 0), (1.0, 9 * GB, int(9.9 * GB), 0)])
+    assert (tuner.keep, tuner.resident) == (2, 1)
+
+
+def test_the_last_step_only_verifies_and_finish_closes_it() -> None:
+    tuner = _tuner(keep=0, steps=2)
+    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0)])
+    assert [s.keep_activations for s in tuner.history] == [0, 6] and tuner.keep == 6 and tuner.done
+    tuner = _tuner(keep=0)
+    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0)])  # grew to 6 kept layers, not yet measured
+    tuner.stats = lambda: (2 * GB, int(10.5 * GB), 0)  # the step with 6 ran over the budget
+    tuner.finish()
+    assert tuner.done and tuner.keep == 6 - 2 and len(tuner.history) == 2  # half a GB over: one layer, plus one

@@ -113,6 +113,18 @@ class LayerStreamer:
         # Set by the engine with ``inputs_on_host``: where recomputed layers' inputs wait (engine/offload.py).
         self.inputs: InputOffload | None = None
         self._saved: list[tuple[nn.Module, Any]] = []
+        # While the engine times its steps (StreamingEngine.time_steps): one [start, end] pair of CUDA events per
+        # forward through the layers (recomputes excluded), on the compute stream.
+        self.forward_events: list[list[Any]] | None = None
+
+    def _mark(self, index: int, end: bool) -> None:
+        events = self.forward_events
+        if events is None or self._recomputing:
+            return
+        if not end and index == 0 and (not events or events[-1][1] is not None):
+            events.append([_event(), None])
+        elif end and index == len(self.layers) - 1 and events:
+            events[-1][1] = _event()  # the outermost call of the last layer ends last (micro-batches nest)
 
     def install(self) -> None:
         """Wrap every layer's forward (idempotent per engine)."""
@@ -159,6 +171,14 @@ class LayerStreamer:
     def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._run(index, original, *args, **kwargs)
+        if self.forward_events is None:
+            return self._forward_grad(index, original, *args, **kwargs)
+        self._mark(index, end=False)
+        out = self._forward_grad(index, original, *args, **kwargs)
+        self._mark(index, end=True)
+        return out
+
+    def _forward_grad(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         split = _micro_batches_under(original)
         if split is not None:  # Note: [one checkpoint per micro-batch] in engine.microbatch
             splitter, module, inner = split
@@ -191,3 +211,9 @@ class LayerStreamer:
                 **kwargs,
             )
         return self._hook_output(index, out)
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

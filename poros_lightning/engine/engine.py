@@ -127,7 +127,8 @@ class StreamingEngine:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.options = (options or EngineOptions()).validate(len(layers))
+        self._requested = options or EngineOptions()
+        self.options = self._requested.validate(len(layers))
         self.layers = list(layers)
         bs = self.options.block_size
         self.block_of = [j // bs for j in range(len(layers))]
@@ -180,6 +181,45 @@ class StreamingEngine:
         keep = min(keep_activations, len(self.layers))
         self.streamer.keep_from = len(self.layers) - keep
         self.options = replace(self.options, keep_activations=keep)
+
+    def set_resident_blocks(self, resident_blocks: int) -> None:
+        """Keep ``resident_blocks`` blocks on the device from the next step on (Note: [resident blocks]).
+
+        Call it between steps, with no autograd graph of this model alive. The blocks are the host store's bytes
+        wherever they sit, so a run may change it from one step to the next without changing a bit.
+        """
+        if resident_blocks < 0:
+            raise PorosConfigError(
+                f"resident_blocks must be >= 0, got {resident_blocks}.", "Use 0 (stream every block) or more."
+            )
+        options = replace(self.options, resident_blocks=resident_blocks, num_slots=self._requested.num_slots).validate(
+            len(self.layers)
+        )
+        self.ring.set_resident(options.resident_blocks, options.num_slots)
+        self.options = options
+
+    def time_steps(self, enable: bool = True) -> None:
+        """Start (or stop) timing, on the device, each block copy and each forward through the layers (CUDA)."""
+        on = enable and self.ring.use_streams
+        self.ring.time_copies(on)
+        self.streamer.forward_events = [] if on else None
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per block copy and per block of a forward through the layers since :meth:`time_steps`.
+
+        Synchronizes. A block's forward is the device time of a forward through the layers over the number of
+        blocks, waits on copies included: where the copies bound the step it is about a copy's time, where
+        compute or launches bound it, longer (Note: [measured plans] in engine/tuner.py).
+        """
+        copies = self.ring.copy_stats()
+        events = [(a, b) for a, b in self.streamer.forward_events or [] if b is not None]
+        if events:
+            events[-1][1].synchronize()
+        forward = sum(a.elapsed_time(b) for a, b in events) / 1e3
+        return {
+            "copy_s": copies["seconds"] / copies["copies"] if copies["copies"] else 0.0,
+            "block_forward_s": forward / len(events) / self.num_blocks if events else 0.0,
+        }
 
     def detach(self, device: torch.device | str | None = None, *, copy: bool = True) -> None:
         """Give every streamed tensor its own memory on ``device`` again and unwrap the layers.

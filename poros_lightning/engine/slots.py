@@ -68,7 +68,20 @@ class SlotRing:
         self.store = store
         self.device = device
         self.num_blocks = len(store)
-        self.resident = min(resident, self.num_blocks)
+        self.num_slots = num_slots
+        self.prefetch = prefetch
+        self.use_streams = use_streams and device.type == "cuda"
+        self.loads = 0  # copies issued; tests and benchmarks read it
+        self.fault: str | None = None  # "wrong_slot": negative control for the parity tests only
+        self.timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # see time_copies()
+        if self.use_streams:
+            self.copy_stream = torch.cuda.Stream(device)
+        self.slots: list[torch.Tensor] = []
+        self._place(resident)
+
+    def _place(self, resident: int) -> None:
+        """Give ``resident`` blocks (spread over the model) a slot of their own, the rest the ring; no block held."""
+        self.resident = min(max(resident, 0), self.num_blocks)
         self.resident_at = resident_positions(self.num_blocks, self.resident)
         own = set(self.resident_at)
         self.streamed = [b for b in range(self.num_blocks) if b not in own]  # in order
@@ -76,30 +89,40 @@ class SlotRing:
         for slot, block in enumerate(self.resident_at):
             self._slot[block] = slot
         for rank, block in enumerate(self.streamed):
-            self._slot[block] = self.resident + rank % max(num_slots, 1)
+            self._slot[block] = self.resident + rank % max(self.num_slots, 1)
         self._rank = {block: rank for rank, block in enumerate(self.streamed)}
-        self.num_slots = num_slots
-        self.prefetch = prefetch
-        self.use_streams = use_streams and device.type == "cuda"
-        self.loads = 0  # copies issued; tests and benchmarks read it
-        self.fault: str | None = None  # "wrong_slot": negative control for the parity tests only
-        self.timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] | None = None  # see time_copies()
-        nbytes = store.max_block_bytes
-        total = self.resident + (num_slots if self.num_blocks > self.resident else 0)
+        nbytes = self.store.max_block_bytes
+        total = self.resident + (self.num_slots if self.num_blocks > self.resident else 0)
+        del self.slots[total:]  # every slot has the same size: keep what is there, add what is missing
         try:
-            self.slots = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device) for _ in range(total)]
+            while len(self.slots) < total:
+                self.slots.append(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device))
         except torch.OutOfMemoryError as err:
             raise PorosOOMError(
-                f"Cannot allocate {total} slots of {nbytes / 2**20:.1f} MiB on {device} "
-                f"({self.resident} resident blocks + a ring of {num_slots}).",
+                f"Cannot allocate {total} slots of {nbytes / 2**20:.1f} MiB on {self.device} "
+                f"({self.resident} resident blocks + a ring of {self.num_slots}).",
                 "Use a smaller block_size (block_size=1 streams one decoder layer at a time), fewer resident "
                 "blocks, or prefetch=1; `poros-lightning check MODEL --vram-budget ...` shows what fits.",
             ) from err
         self.holds = [-1] * total
         if self.use_streams:
-            self.copy_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event() for _ in range(total)]
             self.waited = [True] * total
+
+    def set_resident(self, resident: int, num_slots: int | None = None) -> None:
+        """Keep ``resident`` blocks on the device (and a ring of ``num_slots``) from the next step on.
+
+        No autograd graph may be alive: a graph holds references into the slots its blocks were in, and the
+        blocks move. Every block is bound to its new slot and copied again when first needed; the bytes are the
+        host store's either way, so the result does not change (Note: [resident blocks]).
+        """
+        if self.use_streams:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        if num_slots is not None:
+            self.num_slots = num_slots
+        self._place(resident)
+        for block in range(self.num_blocks):
+            self.bind(block)
 
     def slot_of(self, block: int) -> int:
         return self._slot[block]

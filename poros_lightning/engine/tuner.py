@@ -1,22 +1,32 @@
 """Fit the plan to the card during the first steps, from what each step really used and how long it took.
 
-Invariant: the tuner changes only how many layers keep their activations, between steps; every value gives the
-same bits (Note: [kept activations] in block.py), so tuning changes the speed and memory of a run, never its
-result.
+Invariant: the tuner changes only how many layers keep their activations and how many blocks stay resident,
+between steps; every value gives the same bits (Note: [kept activations] in block.py, Note: [resident blocks] in
+slots.py), so tuning changes the speed and memory of a run, never its result.
 
 Note: [measured plans]
     The planner's activation figures are estimates, and a card's limit is on what the caching allocator
     *reserves*, fragmentation included. So after each early step the tuner reads the step's real peaks
     (allocated and reserved) and the allocator's retries (a retry frees the cache and calls ``cudaMalloc``
     again: a step that needed one ran at the edge of the budget, slowly):
-    - over the budget, or any retry: drop as many kept layers as the excess needs, plus one;
+    - over the budget, or any retry: drop as many kept layers as the excess needs, plus one (then resident
+      blocks, once no layer keeps its activations);
+    - once, from the second step's device timings (engine ``timings()``: seconds per block copy, and per block
+      of a forward through the layers, waits on copies included), spend the memory where it buys time. A block
+      copy shorter than 90% of a block's forward is hidden behind compute or kernel launches: resident blocks
+      then save nothing, and their memory goes to kept activations (one layer's recompute fewer each). A copy
+      as long as the forward bounds the step: kept activations' memory goes to resident blocks (two copies
+      fewer each). The planner's starting point assumes a layer forward of ``LAYER_FORWARD_S``; this is where
+      the card's own numbers replace it (at Qwen2.5-32B on the H200, a 252 MB block copied in 4.7 ms against a
+      5.4 ms layer forward: the copies were hidden, and the planned resident blocks bought nothing);
     - room for at least one more layer's activations (measured per layer once two plans have run): keep
       that many more, if the step got no slower than the fastest measured plan (3% for noise); while the bytes
       per layer are still the planner's estimate, only half as many (an estimate that was low for a family
       made the next step run out of memory on the H200: Gemma-4-31B, docs/benchmarks/families.jsonl);
     - a plan slower than the fastest one measured goes back to the fastest, and the tuner stops.
-    It stops after ``steps`` steps or once nothing changes; the plan then stays. Everything else a plan
-    chooses (slots, resident blocks, host-side options) is sized from exact byte counts at setup.
+    It stops after ``steps`` measured steps (the last one only verifies: nothing grows that no step measured)
+    or once nothing changes; the plan then stays. Everything else a plan chooses (slots, host-side options) is
+    sized from exact byte counts at setup.
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ class TunerStep:
     peak_reserved: int
     retries: int
     action: str = ""
+    resident_blocks: int = 0
+    copy_s: float = 0.0
+    block_forward_s: float = 0.0
 
 
 @dataclass
@@ -59,6 +72,13 @@ class PlanTuner:
         stats: returns ``(peak allocated, peak reserved, allocator retries)`` since the last reset, and
             ``reset`` starts a new window (both default to the CUDA caching allocator's; tests pass fakes).
         clock: seconds, after the device finished the step's work (default: synchronize, then ``perf_counter``).
+        set_resident: applies a number of resident blocks (between steps); ``None``: the tuner leaves them.
+        resident: the planned number of resident blocks.
+        num_blocks: blocks of the model.
+        block_bytes: device bytes of one block's slot.
+        timings: the step's device timings, ``{"copy_s": ..., "block_forward_s": ...}`` (engine ``timings()``).
+        timer: starts (``True``, which also clears what was timed) or stops (``False``) the device timing that
+            ``timings`` reads (engine ``time_steps``); the tuner times its own steps only.
     """
 
     set_keep: Callable[[int], None]
@@ -72,8 +92,16 @@ class PlanTuner:
     stats: Callable[[], tuple[int, int, int]] | None = None
     reset: Callable[[], None] | None = None
     clock: Callable[[], float] | None = None
+    set_resident: Callable[[int], None] | None = None
+    resident: int = 0
+    num_blocks: int = 0
+    block_bytes: int = 0
+    timings: Callable[[], dict[str, float]] | None = None
+    timer: Callable[[bool], None] | None = None
     history: list[TunerStep] = field(default_factory=list)
     done: bool = False
+    _traded: bool = False
+    _timing: bool = False
     _started: float | None = None
     _retries: int = 0
     _ceiling: int | None = None
@@ -103,17 +131,38 @@ class PlanTuner:
     def step_boundary(self) -> None:
         """Call before every training step: closes the previous step's measurement, adjusts, opens the next."""
         if self.done:
+            self._time(False)
             return
         if self._started is not None:
             seconds = self._now() - self._started
             allocated, reserved, retries = self._stats()
-            self.history.append(TunerStep(self.keep, seconds, allocated, reserved, retries - self._retries))
+            step = TunerStep(self.keep, seconds, allocated, reserved, retries - self._retries, "", self.resident)
+            if self.timings is not None and self._timing:
+                timed = self.timings()
+                step.copy_s, step.block_forward_s = timed.get("copy_s", 0.0), timed.get("block_forward_s", 0.0)
+            self.history.append(step)
             self._decide()
             if self.done:
+                self._time(False)
                 return
         self._reset()
         self._retries = self._stats()[2]
+        self._time(True)
         self._started = self._now()
+
+    def finish(self) -> None:
+        """Close the running step's measurement as the last one, and stop: a plan that ran over the budget or
+        slower than the fastest measured one still goes back, but nothing grows that no step measured."""
+        if not self.done and self._started is not None:
+            self.steps = min(self.steps, len(self.history) + 1)
+            self.step_boundary()
+        self.done = True
+        self._time(False)
+
+    def _time(self, enable: bool) -> None:
+        if self.timer is not None and (enable or self._timing):
+            self.timer(enable)
+        self._timing = enable and self.timer is not None
 
     def measured_layer_bytes(self) -> int:
         """Bytes per kept layer from two measured plans (the estimate until two plans have run)."""
@@ -130,7 +179,7 @@ class PlanTuner:
         kept layer are measured rather than estimated."""
         return len({s.keep_activations for s in self.history[1:]}) >= 2
 
-    def _apply(self, keep: int, action: str) -> None:
+    def _apply(self, keep: int, action: str, resident: int | None = None) -> None:
         keep = max(0, min(keep, self.num_layers))
         self.history[-1].action = action
         self.log(
@@ -140,6 +189,39 @@ class PlanTuner:
         if keep != self.keep:
             self.keep = keep
             self.set_keep(keep)
+        if resident is not None and resident != self.resident and self.set_resident is not None:
+            self.resident = max(resident, 0)
+            self.set_resident(self.resident)
+
+    def _trade(self, last: TunerStep, per_layer: int) -> bool:
+        """Moves memory between resident blocks and kept activations by the step's timings (Note: [measured plans])."""
+        if self._traded or self.set_resident is None or not self.block_bytes or len(self.history) < 2:
+            return False
+        if not last.copy_s or not last.block_forward_s:
+            return False
+        self._traded = True
+        timed = (
+            f"a block copies in {last.copy_s * 1e3:.1f} ms, a block's forward takes {last.block_forward_s * 1e3:.1f} ms"
+        )
+        if last.copy_s < 0.9 * last.block_forward_s and self.resident and self.keep < self.num_layers:
+            freed = self.resident * self.block_bytes
+            more = min(freed // per_layer, self.num_layers - self.keep)
+            if not more:  # every resident block together holds less than one layer's activations
+                return False
+            resident = (freed - more * per_layer) // self.block_bytes
+            self._apply(self.keep + more, f"{timed}: copies hidden, {self.resident - resident} resident blocks "
+                        f"become {more} layers' kept activations", resident)  # fmt: skip
+            return True
+        ring_blocks = max(self.num_blocks - 2, 0)  # the ring's two slots stream the rest
+        if last.copy_s >= 0.9 * last.block_forward_s and self.keep and self.resident < ring_blocks:
+            freed = self.keep * per_layer
+            more = min(freed // self.block_bytes, ring_blocks - self.resident)
+            if more:
+                fewer = min(self.keep, -(-more * self.block_bytes // per_layer))
+                self._apply(self.keep - fewer, f"{timed}: copies bound the step, {fewer} layers' kept activations "
+                            f"become {more} resident blocks", self.resident + more)  # fmt: skip
+                return True
+        return False
 
     def _decide(self) -> None:
         last = self.history[-1]
@@ -148,17 +230,32 @@ class PlanTuner:
             excess = max(last.peak_reserved - self.budget, 0)
             drop = math.ceil(excess / per_layer) + 1
             self._ceiling = max(self.keep - drop, 0)  # never grow back past what did not fit
-            self._apply(self.keep - drop, f"over the budget: {self._ceiling} layers keep activations")
-            if self.keep == 0:
+            resident = self.resident
+            if drop > self.keep and self.resident and self.block_bytes:  # no kept layer left to drop
+                resident = max(self.resident - math.ceil((drop - self.keep) * per_layer / self.block_bytes), 0)
+            self._apply(
+                self.keep - drop, f"over the budget: {self._ceiling} layers keep activations, {resident} resident blocks",
+                resident,
+            )  # fmt: skip
+            if (self.keep == 0 and self.resident == 0) or len(self.history) >= self.steps:
                 self.done = True
             return
         timed = [s for s in self.history[1:] if not s.retries and s.peak_reserved <= self.budget]
         if timed:
             fastest = min(timed, key=lambda s: s.seconds)
             if last is not self.history[0] and last.seconds > 1.03 * fastest.seconds:
-                self._apply(fastest.keep_activations, f"slower than {fastest.seconds:.3f} s: back to that plan")
+                self._apply(
+                    fastest.keep_activations, f"slower than {fastest.seconds:.3f} s: back to that plan",
+                    fastest.resident_blocks,
+                )  # fmt: skip
                 self.done = True
                 return
+        if len(self.history) >= self.steps:  # the last measured step: the plan stays, never grown unmeasured
+            self._apply(self.keep, "the plan stays")
+            self.done = True
+            return
+        if self._trade(last, per_layer):
+            return
         room = int(0.9 * (self.budget - last.peak_reserved))  # fragmentation grows with what is added
         limit = self.num_layers if self._ceiling is None else self._ceiling
         more = max(min(room // per_layer, limit - self.keep), 0) if per_layer else 0
@@ -169,8 +266,6 @@ class PlanTuner:
         elif len(self.history) > 1:
             self._apply(self.keep, "the plan stays")
             self.done = True
-        if len(self.history) >= self.steps:
-            self.done = True
 
     @staticmethod
     def summary(history: Sequence[TunerStep]) -> list[dict[str, float | int | str]]:
@@ -178,7 +273,10 @@ class PlanTuner:
         return [
             {
                 "keep_activations": s.keep_activations,
+                "resident_blocks": s.resident_blocks,
                 "seconds": round(s.seconds, 4),
+                "copy_ms": round(s.copy_s * 1e3, 3),
+                "block_forward_ms": round(s.block_forward_s * 1e3, 3),
                 "peak_allocated_gb": round(s.peak_allocated / 1e9, 3),
                 "peak_reserved_gb": round(s.peak_reserved / 1e9, 3),
                 "retries": s.retries,

@@ -167,9 +167,15 @@ def tuner_for(strategy: Any, peft_model: nn.Module, log: logging.Logger) -> Any:
         engine.set_keep_activations(keep)
         record["options"]["keep_activations"] = keep
 
+    def set_resident(resident: int) -> None:
+        engine.set_resident_blocks(resident)
+        record["options"]["resident_blocks"] = resident
+
     def note(line: str) -> None:
         record["tuned"].append(line)
         log.info(line)
+
+    trade = "resident_blocks" not in strategy.explicit  # a resident count the user set stays
 
     return PlanTuner(
         set_keep=set_keep,
@@ -180,4 +186,10 @@ def tuner_for(strategy: Any, peft_model: nn.Module, log: logging.Logger) -> Any:
         device=engine.device,
         steps=strategy.tune_steps,
         log=note,
+        set_resident=set_resident if trade else None,
+        resident=engine.options.resident_blocks,
+        num_blocks=engine.num_blocks,
+        block_bytes=engine.store.max_block_bytes,
+        timings=engine.timings,
+        timer=engine.time_steps,
     )

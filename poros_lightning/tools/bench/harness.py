@@ -76,8 +76,9 @@ def bench_methods(
     card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
     the planner of ``PorosStrategy(vram_budget=...)`` picks the engine options and ``optimizer_on_host``,
     and the run is capped at the budget; a budget the planner refuses is recorded with ``"refused": true``
-    and the smallest budget it accepts, ``min_budget_gb``, without running). Either way the next run goes
-    on. Every row has ``vram_budget`` (GB, or None), ``planned_peak_gb`` (the plan's estimate, or None),
+    and the smallest budget it accepts, ``min_budget_gb``, without running; the warm-up steps then fit the plan
+    to the card, engine/tuner.py, unless ``tune: false``; ``trade: false`` keeps the planned resident blocks).
+    Either way the next run goes on. Every row has ``vram_budget`` (GB, or None), ``planned_peak_gb`` (the plan's estimate, or None),
     ``refused``, ``oom`` and ``s_per_step`` (None when nothing ran); a planned row also has the planner's
     reasoning (``plan``) beside the engine options it chose (the row's option fields). ``compile_layers``:
     every run computes with each decoder layer under ``torch.compile``
@@ -230,6 +231,9 @@ def bench_methods(
                 set_keep=engine.set_keep_activations, keep=engine.options.keep_activations,
                 num_layers=len(engine.layers), budget=int(planned["vram_budget"] * 1e9),
                 layer_bytes=max(plan.activation_layer_bytes, 1), device=engine.device, steps=warmup, log=print,
+                set_resident=None if "resident_blocks" in run or not run.get("trade", True) else engine.set_resident_blocks,
+                resident=engine.options.resident_blocks, num_blocks=engine.num_blocks,
+                block_bytes=engine.store.max_block_bytes, timings=engine.timings, timer=engine.time_steps,
             )  # fmt: skip
         retries0 = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if device == "cuda" else 0
         loads0 = engine.ring.loads if engine is not None else 0
@@ -265,7 +269,9 @@ def bench_methods(
             )
             s_per_step = sum(times) / len(times)
             if tuner is not None:
-                row.update(tuned=PlanTuner.summary(tuner.history), keep_activations=tuner.keep)
+                row.update(
+                    tuned=PlanTuner.summary(tuner.history), keep_activations=tuner.keep, resident_blocks=tuner.resident
+                )
             if device == "cuda":
                 row["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) - retries0
             row.update(

@@ -180,9 +180,10 @@ def step_loop(
     times = []
     for i, ids in enumerate(batches):
         if tuner is not None:
-            if i == warmup:  # the timed steps run the plan the warm-up steps fitted
-                tuner.done = True
-            tuner.step_boundary()
+            if i == warmup:  # the timed steps run the plan the warm-up steps fitted (and the last one verified)
+                tuner.finish()
+            else:
+                tuner.step_boundary()
         ids = ids.to(device, non_blocking=True)
         wait()
         if ring is not None and i == warmup:
