@@ -43,6 +43,8 @@ _KEYS = {
     "compile_layers",
     "rounds",
     "profile",
+    "peer_checkpoints",
+    "peer_timeout_s",
 }
 _BUILDS = {"auto": None, "direct": False, "blockwise": True}
 
@@ -64,6 +66,10 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
     if not cfg.get("runs"):
         raise PorosConfigError(f"{path} lists no runs.", "Add `runs: [{method: poros}, {method: resident_gc}]`.")
     for run in cfg["runs"]:
+        if run.get("method") == "peer":  # another library's run (tools/bench/peers.py)
+            from poros_lightning.tools.bench.peers import check_peer_run
+
+            check_peer_run(run, path)
         for key in ("accumulate", "micro_batches"):
             value = run.get(key, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -125,6 +131,13 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def run_name(run: dict[str, Any]) -> str:
+    """A run's name in rows and for ``--runs``: its ``name``, else ``peer_<peer>`` for a peer run, else its method."""
+    if "name" in run:
+        return str(run["name"])
+    return f"peer_{run.get('peer')}" if run.get("method") == "peer" else str(run["method"])
+
+
 def model_entries(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """One dict per model of a bench config: its ``models:`` entry over the top-level defaults (or the config's
     single ``model``), restricted to the keys a model may set."""
@@ -174,8 +187,9 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
         raise PorosConfigError(f"rounds must be >= 1, got {rounds}.", "Use rounds: 1 (default) or more.")
     # Several rounds interleave the methods (A B A B ...): a drift of the machine hits all of them alike.
     runs = [{**run, "round": i} for i in range(rounds) for run in cfg["runs"]] if rounds > 1 else cfg["runs"]
+    peers = {"root": cfg.get("peer_checkpoints"), "timeout_s": cfg.get("peer_timeout_s")}  # tools/bench/peers.py
     for entry in model_entries(cfg):
-        _run_model(entry, runs, out, rows, h2d=h2d, run_id=run_id, profile=bool(cfg.get("profile", False)))
+        _run_model(entry, runs, out, rows, h2d=h2d, run_id=run_id, profile=bool(cfg.get("profile")), peers=peers)
     return rows
 
 
@@ -188,8 +202,13 @@ def _run_model(
     h2d: float | None,
     run_id: str,
     profile: bool,
+    peers: dict[str, Any],
 ) -> None:
-    """Every (seq_len, run) of one model entry; rows go to ``rows`` and ``out`` as each run ends."""
+    """Every (seq_len, run) of one model entry; rows go to ``rows`` and ``out`` as each run ends.
+
+    Per sequence length, the runs of the harness share one model build; the peer runs (``method: peer``) follow,
+    each in a process of its own, once that model is freed (``peers``: their checkpoint root and timeout).
+    """
     import torch
 
     from poros_lightning.tools.bench.harness import bench_methods, write_jsonl
@@ -202,9 +221,11 @@ def _run_model(
 
         config, _ = load_config(entry["model"])
 
+    label = f"{entry.get('model', config.get('model_type'))} (random init)"
+
     def record(row: dict[str, Any]) -> None:
         full = {
-            "model": f"{entry.get('model', config.get('model_type'))} (random init)",
+            "model": label,
             "scale": entry.get("scale"),
             "pinned_peak_h2d_gbps": h2d,
             "run_id": run_id,
@@ -219,20 +240,36 @@ def _run_model(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    ours = [run for run in runs if run.get("method") != "peer"]
+    theirs = [run for run in runs if run.get("method") == "peer"]
+    shape = {
+        "batch_size": int(entry.get("batch_size", 1)),
+        "lora_r": int(entry.get("lora_r", 16)),
+        "steps": int(entry.get("steps", 10)),
+        "warmup": int(entry.get("warmup", 3)),
+        "blockwise": _BUILDS[entry.get("build", "auto")],
+    }
     for seq_len in entry.get("seq_lens", [512]):
-        bench_methods(
-            config,
-            runs,
-            seq_len=int(seq_len),
-            batch_size=int(entry.get("batch_size", 1)),
-            lora_r=int(entry.get("lora_r", 16)),
-            steps=int(entry.get("steps", 10)),
-            warmup=int(entry.get("warmup", 3)),
-            blockwise=_BUILDS[entry.get("build", "auto")],
-            compile_layers=bool(entry.get("compile_layers", False)),
-            profile=profile,
-            on_row=record,
-        )
+        if ours:
+            bench_methods(
+                config,
+                ours,
+                seq_len=int(seq_len),
+                **shape,
+                compile_layers=bool(entry.get("compile_layers", False)),
+                profile=profile,
+                on_row=record,
+            )
+        if theirs:
+            import gc
+
+            from poros_lightning.tools.bench.peers import run_peers
+
+            gc.collect()  # our model of this length, gone before the peers' processes start
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            scale = entry.get("scale")
+            run_peers(config, theirs, model=label, scale=scale, seq_len=int(seq_len), **shape, **peers, on_row=record)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             cfg["profile"] = True
         if args.runs:
-            names = [r.get("name", r["method"]) for r in cfg["runs"]]
+            names = [run_name(r) for r in cfg["runs"]]
             missing = sorted(set(args.runs) - set(names))
             if missing:
                 raise PorosConfigError(

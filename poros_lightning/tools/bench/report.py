@@ -11,7 +11,7 @@ from typing import Any
 
 from poros_lightning.tools.bench.sweep import sweep_html, sweep_table
 
-__all__ = ["load_rows", "markdown_table", "profile_table", "ratio_table", "render_html", "sweep_table"]
+__all__ = ["load_rows", "markdown_table", "peers_html", "profile_table", "ratio_table", "render_html", "sweep_table"]
 
 _COLUMNS = (
     ("model", "model"),
@@ -52,10 +52,55 @@ def _fmt(value: Any) -> str:
 def _cells(row: dict[str, Any]) -> list[str]:
     cells = [_fmt(row.get(key)) for key, _ in _COLUMNS]
     if row.get("oom"):
-        cells[4] = f"OOM under {row.get('memory_cap_gb')} GB cap"
+        cells[4] = f"OOM under {row['memory_cap_gb']} GB cap" if row.get("memory_cap_gb") else "OOM"
     elif row.get("refused"):
-        cells[4] = f"refused (needs {_fmt(row.get('min_budget_gb'))} GB)"
+        needs = row.get("min_budget_gb")
+        cells[4] = f"refused (needs {_fmt(needs)} GB)" if needs is not None else "refused"
     return cells
+
+
+_PEER_COLUMNS = ("method", "tokens/s", "peak VRAM GB", "peak reserved GB", "s/step", "peer version")
+
+
+def _peer_cells(row: dict[str, Any]) -> list[str]:
+    cells = _cells(row)
+    name = row["method"] + (" (peer)" if row.get("base_method") == "peer" else "")
+    return [name, cells[5], cells[6], _fmt(row.get("peak_reserved_gb")), cells[4], _fmt(row.get("peer_version"))]
+
+
+def _where(row: dict[str, Any]) -> str:
+    return f"{row['method']} ({row.get('scale') or row.get('model')}, seq {row.get('seq_len')})"
+
+
+def peers_html(rows: list[dict[str, Any]]) -> str:
+    """The report's peers section (empty without peer rows): per (model, seq_len) with a peer row, our runs and the
+    peers' (``base_method: peer``) side by side, then each peer that did not run with its reason."""
+    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row.get("scale") or row.get("model"), row.get("seq_len")), []).append(row)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in _PEER_COLUMNS)
+    parts = []
+    for (label, seq_len), group in groups.items():
+        if any(r.get("base_method") == "peer" for r in group):
+            body = "".join(
+                "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _peer_cells(r)) + "</tr>" for r in group
+            )
+            title = html.escape(f"{label}, seq {seq_len}")
+            parts.append(f"<h3>{title}</h3><table border='1' cellpadding='4'><tr>{head}</tr>{body}</table>")
+    if not parts:
+        return ""
+    failed = [r for r in rows if r.get("base_method") == "peer" and (r.get("refused") or r.get("oom"))]
+    if failed:
+        items = "".join(
+            f"<li>{html.escape(_where(r))}: {html.escape(str(r.get('refusal') or 'out of memory'))}</li>"
+            for r in failed
+        )
+        parts.append(f"<h3>Peers that did not run</h3><ul class='peer-refusals'>{items}</ul>")
+    intro = (
+        "<h2>Peers</h2><p>What users pick instead, each run as its users run it, in a process of its own, on the same "
+        "model, token batches and effective batch as our runs beside it (<code>configs/bench/peers.yaml</code>).</p>"
+    )
+    return intro + "\n".join(parts)
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -172,8 +217,8 @@ def _plot(rows: list[dict[str, Any]], key: str, label: str) -> str | None:
 
 
 def render_html(rows: list[dict[str, Any]], title: str = "poros-lightning benchmarks") -> str:
-    """A self-contained HTML page: plots (matplotlib, when installed), the budget sweep (inline SVG, when rows
-    have a ``vram_budget``) and the full table."""
+    """A self-contained HTML page: plots (matplotlib, when installed), the peers side by side (when rows have
+    ``base_method: peer``), the budget sweep (inline SVG, when rows have a ``vram_budget``) and the full table."""
     parts = [
         f"<!doctype html><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<h1>{html.escape(title)}</h1>",
@@ -183,9 +228,9 @@ def render_html(rows: list[dict[str, Any]], title: str = "poros-lightning benchm
         img = _plot(rows, key, label)
         if img:
             parts.append(f"<h2>{label}</h2><img alt='{label}' src='data:image/png;base64,{img}'>")
-    sweep = sweep_html(rows)
-    if sweep:
-        parts.append(sweep)
+    for section in (peers_html(rows), sweep_html(rows)):
+        if section:
+            parts.append(section)
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h in _COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>" for r in rows)
     parts.append(f"<h2>All runs</h2><table border='1' cellpadding='4'><tr>{head}</tr>{body}</table>")

@@ -46,9 +46,11 @@ def _is_reference(row: dict[str, Any]) -> bool:
 
 def sweep_groups(rows: list[dict[str, Any]]) -> dict[tuple[str, Any], list[dict[str, Any]]]:
     """Rows by (model, seq_len), for the groups with at least one ``vram_budget`` row: their budget rows and
-    their ``resident_gc`` rows without a budget (the reference)."""
+    their ``resident_gc`` rows without a budget (the reference). Peer rows are not plans and stay out."""
     groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
     for row in rows:
+        if row.get("base_method") == "peer":  # a peer's budget is its own setting, not a plan (report.peers_html)
+            continue
         if budget_gb(row) is not None or _is_reference(row):
             groups.setdefault((_label(row), row.get("seq_len")), []).append(row)
     return {key: group for key, group in groups.items() if any(budget_gb(r) is not None for r in group)}

@@ -1,0 +1,150 @@
+"""The Soup peer: ``soup train`` with layer streaming on the bench's checkpoint, as its users run it.
+
+Soup's users write a ``soup.yaml`` and run ``soup train --config soup.yaml``; its layer streaming
+(``training.stream_layers: true``, ``quantization: 4bit``) keeps the NF4 base in host memory and streams each decoder
+layer to the GPU, training through TRL's ``SFTTrainer``. Here its data is the bench's token batches as a
+pre-tokenized dataset (``data.format: pre_tokenized``, the layout ``soup data preprocess`` writes), one epoch of
+exactly ``warmup + steps`` optimizer steps, and its CLI runs in this process with one addition: a trainer callback
+that times each optimizer step (synchronized at its start and end) and reads the peaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from poros_lightning.tools.bench.peers import bench_batches
+
+__all__ = ["soup_config", "train_soup"]
+
+
+def soup_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``soup.yaml`` of a peer run: the bench's shape (LoRA, batch, accumulation, AdamW, lr), streamed NF4."""
+    r = int(spec["lora_r"])
+    return {
+        "base": spec["checkpoint"],
+        "task": "sft",
+        "data": {
+            "train": "./train.jsonl",
+            "format": "pre_tokenized",
+            "tokenized_path": "./tokenized",
+            "max_length": int(spec["seq_len"]),
+            "val_split": 0.0,
+        },
+        "training": {
+            "epochs": 1,
+            "lr": 1e-4,
+            "batch_size": int(spec["batch_size"]),
+            "gradient_accumulation_steps": int(spec["accumulate"]),
+            "optimizer": "adamw_torch",
+            "warmup_ratio": 0.0,
+            "save_steps": 10**6,  # no checkpoint inside the timed steps
+            "logging_steps": 1,
+            "seed": int(spec.get("seed", 0)),
+            "quantization": "4bit",
+            "stream_layers": True,
+            "lora": {"r": r, "alpha": 2 * r, "dropout": 0.0, "target_modules": list(spec["targets"])},
+        },
+        "output": "./output",
+    }
+
+
+def _write_data(spec: dict[str, Any], work: Path) -> None:
+    """The bench's batches, row by row, as the pre-tokenized dataset and as the ``data.train`` file it names."""
+    from datasets import Dataset
+
+    rows = int(spec["batch_size"]) * int(spec["accumulate"])
+    batches = bench_batches(spec["vocab"], rows, spec["seq_len"], spec["warmup"] + spec["steps"])
+    ids = [row.tolist() for batch in batches for row in batch]
+    columns = {"input_ids": ids, "labels": ids, "attention_mask": [[1] * len(i) for i in ids]}
+    Dataset.from_dict(columns).save_to_disk(str(work / "tokenized"))
+    with (work / "train.jsonl").open("w") as f:
+        for i in ids:
+            f.write(json.dumps({"input_ids": i, "labels": i}) + "\n")
+
+
+def _timer(
+    reset_peaks: Callable[[], None],
+    sync: Callable[[], None],
+    read_peaks: Callable[[], dict[str, float | None]],
+    times: list[float],
+    peaks: dict[str, float | None],
+    warmup: int,
+) -> Any:
+    """A ``TrainerCallback`` timing each optimizer step, from its first micro-batch to its update, keeping the last
+    logged loss and reading the peaks when training ends (into ``peaks``)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.step = 0
+            self.start = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.step == 0:
+                reset_peaks()
+            sync()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            sync()
+            if self.step >= warmup:
+                times.append(time.perf_counter() - self.start)
+            self.step += 1
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            if logs and "loss" in logs:
+                peaks["final_loss"] = float(logs["loss"])
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            peaks.update(read_peaks())  # before Soup saves the adapter
+
+    return StepTimer()
+
+
+def train_soup(
+    spec: dict[str, Any],
+    reset_peaks: Callable[[], None],
+    sync: Callable[[], None],
+    read_peaks: Callable[[], dict[str, float | None]],
+) -> dict[str, Any]:
+    """Run ``soup train`` in this process's work directory (the cwd) on ``spec``; its timed steps and peaks."""
+    import transformers
+
+    work = Path.cwd()
+    # Soup's layer cache (the NF4 layers it streams) beside the checkpoint, shared by the runs of every length.
+    os.environ.setdefault("SOUP_LAYER_STREAM_CACHE_DIR", str(Path(spec["checkpoint"]).parent / "soup-layer-cache"))
+    _write_data(spec, work)
+    (work / "soup.yaml").write_text(yaml.safe_dump(soup_config(spec), sort_keys=False))
+    times: list[float] = []
+    peaks: dict[str, float | None] = {"peak_vram_gb": None, "peak_reserved_gb": None}
+    timer = _timer(reset_peaks, sync, read_peaks, times, peaks, int(spec["warmup"]))
+    original = transformers.Trainer.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:  # every trainer Soup builds gets the timer
+        original(self, *args, **kwargs)
+        self.add_callback(timer)
+
+    transformers.Trainer.__init__ = init
+    from soup_cli.cli import run
+
+    argv = sys.argv
+    sys.argv = ["soup", "--no-telemetry", "--no-audit-log", "--verbose", "train", "--config", "soup.yaml", "--yes"]
+    code: Any = 0
+    try:
+        run()
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv = argv
+        transformers.Trainer.__init__ = original
+    if len(times) < int(spec["steps"]):
+        raise RuntimeError(f"soup train exited with code {code} after {len(times)} timed steps of {spec['steps']}")
+    return {"times": times, "soup_exit_code": code, **peaks}
