@@ -405,8 +405,13 @@ def test_report_plots_s_per_step_against_the_budget(tmp_path: Path, capsys: pyte
     assert "<td>refused (needs 7.540 GB)</td>" in page and "<td>out of memory</td>" in page
     assert main(["report", str(path), "-o", str(tmp_path / "r.html")]) == 0
     out = capsys.readouterr().out
-    assert "| 72B | 2048 | 6 | — | — | — | — | refused (needs 7.540 GB) | — |" in out
-    assert "| 72B | 2048 | 12 | host: embeddings; 3 resident blocks | 10.5 | 9.900 | 10.8 | 2.500 | 1.250 |" in out
+    assert "| 72B | 2048 | 6 | — | — | — | — | — | refused (needs 7.540 GB) | — | — |" in out
+    # The estimate over the allocated peak (10.5 / 9.9), and s/step against the next smaller budget that ran.
+    assert (
+        "| 72B | 2048 | 12 | host: embeddings; 3 resident blocks | 10.5 | 9.900 | 10.8 | 1.061 | 2.500 | 1.250 | — |"
+        in out
+    )
+    assert "| 72B | 2048 | 24 | 22 resident blocks | — | — | — | — | 2.200 | 1.100 | 0.880 |" in out
     assert 'class="point oom"' in (tmp_path / "r.html").read_text()
     assert "budget-sweep" not in render_html(rows[-1:])  # rows without budgets: no sweep section
 

@@ -211,7 +211,11 @@ def _svg(title: str, points: list[dict[str, Any]], reference: float | None) -> s
 
 
 def _table_rows(points: list[dict[str, Any]], reference: float | None) -> list[list[str]]:
+    """One row of cells per budget. ``planned / allocated``: the plan's estimate over the measured allocated peak
+    (at least 1.0: the plan never under-predicts); ``x smaller budget``: s/step over that of the next smaller budget
+    that ran (at most 1.03: a bigger budget is never slower)."""
     cells = []
+    smaller: float | None = None
     for p in points:
         if p["refused"]:
             status = f"refused (needs {_fmt(p['min_budget_gb'])} GB)"
@@ -221,6 +225,9 @@ def _table_rows(points: list[dict[str, Any]], reference: float | None) -> list[l
             status = _fmt(p["s_per_step"])
         ratio = p["s_per_step"] / reference if reference and p["s_per_step"] is not None else None
         plan = "—" if p["refused"] else p["plan"]
+        estimate = p["planned_peak_gb"] / p["peak_vram_gb"] if p["planned_peak_gb"] and p["peak_vram_gb"] else None
+        monotonic = p["s_per_step"] / smaller if smaller and p["s_per_step"] is not None else None
+        smaller = p["s_per_step"] if p["s_per_step"] is not None else smaller
         cells.append(
             [
                 f"{p['budget']:g}",
@@ -228,8 +235,10 @@ def _table_rows(points: list[dict[str, Any]], reference: float | None) -> list[l
                 _fmt(p["planned_peak_gb"]),
                 _fmt(p["peak_vram_gb"]),
                 _fmt(p["peak_reserved_gb"]),
+                _fmt(estimate),
                 status,
                 _fmt(ratio),
+                _fmt(monotonic),
             ]
         )
     return cells
@@ -241,8 +250,10 @@ _HEADER = (
     "planned GB",
     "peak allocated GB",
     "peak reserved GB",
+    "planned / allocated",
     "s/step",
     "x resident_gc",
+    "x smaller budget",
 )
 
 
