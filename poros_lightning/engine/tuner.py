@@ -14,9 +14,9 @@ Note: [measured plans]
     - once, from the second step's device timings (engine ``timings()``: seconds per block copy, and per block
       of a forward through the layers, waits on copies included), spend the memory where it buys time. A block
       copy shorter than 90% of a block's forward is hidden behind compute or kernel launches: resident blocks
-      then save nothing, and their memory goes to kept activations (one layer's recompute fewer each). A copy
-      as long as the forward bounds the step: kept activations' memory goes to resident blocks (two copies
-      fewer each). The planner's starting point assumes a layer forward of ``LAYER_FORWARD_S``; this is where
+      then save nothing, and their memory goes to kept activations (one layer's recompute fewer each; half as
+      many while the bytes per layer are estimated). A copy as long as the forward bounds the step: kept
+      activations' memory goes to resident blocks (two copies fewer each). The planner's starting point assumes a layer forward of ``LAYER_FORWARD_S``; this is where
       the card's own numbers replace it (at Qwen2.5-32B on the H200, a 252 MB block copied in 4.7 ms against a
       5.4 ms layer forward: the copies were hidden, and the planned resident blocks bought nothing);
     - room for at least one more layer's activations (measured per layer once two plans have run): keep
@@ -208,6 +208,8 @@ class PlanTuner:
             more = min(freed // per_layer, self.num_layers - self.keep)
             if not more:  # every resident block together holds less than one layer's activations
                 return False
+            if more > 1 and not self.measured():  # as for room: half as many on an estimate
+                more //= 2
             resident = (freed - more * per_layer) // self.block_bytes
             self._apply(self.keep + more, f"{timed}: copies hidden, {self.resident - resident} resident blocks "
                         f"become {more} layers' kept activations", resident)  # fmt: skip
