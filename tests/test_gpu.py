@@ -172,7 +172,9 @@ def test_slow_copies_negative_control(monkeypatch: pytest.MonkeyPatch) -> None:
     guarded = _qv_grads(0)
     monkeypatch.setattr(LayerStreamer, "_hook_output", lambda self, index, out: out)
     unguarded = _qv_grads(0)
-    differing = [sum(not torch.equal(a, b) for a, b in zip(ra, ga, strict=True)) for ra, ga in zip(ref, unguarded, strict=True)]
+    differing = [
+        sum(not torch.equal(a, b) for a, b in zip(ra, ga, strict=True)) for ra, ga in zip(ref, unguarded, strict=True)
+    ]
     assert all(torch.equal(a, b) for ra, ga in zip(ref, guarded, strict=True) for a, b in zip(ra, ga, strict=True))
     assert all(n > 0 for n in differing), differing
 

@@ -71,6 +71,7 @@ __all__ = ["MicroBatchSampler", "PorosDDPStrategy", "SharedArenas", "gather_sum_
 
 log = logging.getLogger(__name__)
 
+
 def _scale_loss(output: Any, world: int) -> Any:
     if isinstance(output, torch.Tensor):
         return output / world
