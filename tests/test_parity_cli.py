@@ -132,6 +132,29 @@ def test_resident_blocks_mode_is_gated_with_blocks_between_streamed_ones(
     assert ring.resident_at == [2]  # 4 layers: one resident block, between streamed ones
 
 
+def test_replan_mode_changes_the_plan_before_every_step_and_stays_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept layers and resident blocks change before every step of the streamed arm: equal with dropout."""
+    from poros_lightning.tools.parity import runner
+
+    made: list[runner.Replan] = []
+    init = runner.Replan.__init__
+
+    def recording_init(self: runner.Replan, *args: object) -> None:
+        init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(runner.Replan, "__init__", recording_init)
+    path = _config(tmp_path, steps=5, block_sizes=[1], modes=["replan"])
+    assert main(["--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "parity.jsonl").read_text().splitlines()]
+    (summary,) = [r for r in rows if r.get("summary")]
+    assert summary["mode"] == "replan" and summary["lora_dropout"] == 0.1 and summary["equal"]
+    (replan,) = made
+    assert replan.seen == [(0, 0), (2, 1), (4, 0), (0, 2), (1, 2)]  # 4 layers, 4 blocks: a new plan every step
+
+
 # ------------------------------------------------------------------ any config: nested, defaulted, refused
 
 _GEMMA3_MULTIMODAL = {

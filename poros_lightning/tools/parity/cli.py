@@ -28,6 +28,7 @@ MODES = (
     "min_memory",
     "keep_activations",
     "resident_blocks",
+    "replan",
 )
 _KEYS = {
     "model",

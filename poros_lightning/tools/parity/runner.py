@@ -130,6 +130,7 @@ def run_arm(
     accelerator: str = "auto",
     compile: bool = False,
     lr: float = 1e-3,
+    callbacks: list[L.Callback] | None = None,
 ) -> Recorder:
     """Train ``steps`` optimizer steps with ``strategy`` and record the surfaces."""
     module = ParityModule(build, lr=lr)
@@ -143,7 +144,7 @@ def run_arm(
         devices=1,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
-        callbacks=[rec],
+        callbacks=[rec, *(callbacks or [])],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -246,7 +247,9 @@ def run_parity(
     :data:`MIN_MEMORY`), ``"keep_activations"`` (LoRA
     dropout 0.1; the streamed arm's layers keep their activations instead of recomputing them),
     ``"resident_blocks"`` (LoRA dropout 0.1; a quarter of the streamed arm's blocks stay on the device, spread
-    between streamed ones, Note: [resident blocks] in :mod:`poros_lightning.engine.slots`). ``blockwise``:
+    between streamed ones, Note: [resident blocks] in :mod:`poros_lightning.engine.slots`), ``"replan"`` (LoRA
+    dropout 0.1; the streamed arm's plan changes before every step, kept activations and resident blocks both, as
+    the tuner changes it: :class:`Replan`). ``blockwise``:
     see :func:`~poros_lightning.tools.parity.build.build_peft_model` (``None``: when bf16 would not fit).
     """
     from poros_lightning.lightning.strategy import PorosStrategy
@@ -256,7 +259,16 @@ def run_parity(
         if lora_dropout is not None
         else (
             0.1
-            if mode in ("dropout", "accum", "min_memory", "keep_activations", "resident_blocks", "block_major_dropout")
+            if mode
+            in (
+                "dropout",
+                "accum",
+                "min_memory",
+                "keep_activations",
+                "resident_blocks",
+                "block_major_dropout",
+                "replan",
+            )
             else 0.0
         )
     )
@@ -310,6 +322,7 @@ def run_parity(
         steps=steps,
         accumulate=1 if block_major else accum,
         compile=mode == "compile",
+        callbacks=[Replan(_num_layers(config), -(-_num_layers(config) // block_size))] if mode == "replan" else None,
     )
     cache.clear()
     t2 = time.perf_counter()
@@ -343,6 +356,26 @@ def run_parity(
                 f.write(json.dumps({"model": model, "mode": mode, "block_size": block_size, **row}) + "\n")
             f.write(json.dumps(summary) + "\n")
     return result
+
+
+class Replan(L.Callback):
+    """Before each step, sets the streamed arm's kept layers and resident blocks to the next plan of a cycle:
+    none, half the layers and a quarter of the blocks, every layer, half the blocks, a quarter of the layers and
+    every block but two (Note: [measured plans] in :mod:`poros_lightning.engine.tuner`)."""
+
+    def __init__(self, num_layers: int, num_blocks: int) -> None:
+        n, b = num_layers, num_blocks
+        self.plans = [(0, 0), (n // 2, b // 4), (n, 0), (0, b // 2), (n // 4, max(b - 2, 0))]
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        from poros_lightning.api import engine_of
+
+        engine = engine_of(module.net)
+        keep, resident = self.plans[batch_idx % len(self.plans)]
+        engine.set_keep_activations(keep)
+        engine.set_resident_blocks(resident)
+        self.seen.append((engine.options.keep_activations, engine.options.resident_blocks))
 
 
 def _num_layers(config: dict[str, Any]) -> int:
