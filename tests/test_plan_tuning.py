@@ -298,3 +298,24 @@ def test_the_last_step_only_verifies_and_finish_closes_it() -> None:
     tuner.stats = lambda: (2 * GB, int(10.5 * GB), 0)  # the step with 6 ran over the budget
     tuner.finish()
     assert tuner.done and tuner.keep == 6 - 2 and len(tuner.history) == 2  # half a GB over: one layer, plus one
+
+
+@pytest.mark.parametrize("explicit", [{}, {"resident_blocks": 1}])
+def test_the_strategy_tuner_trades_resident_blocks_unless_they_were_set(
+    explicit: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tuner_for`` hands the tuner the engine's resident blocks and timings; a count the user set stays."""
+    module = UserModule(0.1)
+    strategy = PorosStrategy(vram_budget="8GB", seq_len=16, **explicit)
+    strategy._lightning_module = module
+    model = prepare(module.net, device="cpu", **strategy._plan(module.net))
+    engine = engine_of(model)
+    monkeypatch.setattr(engine, "device", torch.device("cuda", 0))  # tuners run on CUDA only; nothing runs here
+    tuner = planning.tuner_for(strategy, model, logging.getLogger("test"))
+    assert tuner is not None and tuner.num_blocks == engine.num_blocks
+    assert tuner.block_bytes == engine.store.max_block_bytes and tuner.timer == engine.time_steps
+    if explicit:
+        assert tuner.set_resident is None
+    else:
+        tuner.set_resident(1)
+        assert engine.options.resident_blocks == 1 and model._poros_plan["options"]["resident_blocks"] == 1
