@@ -233,9 +233,11 @@ def _strategy_plan(model: str, budget: str | int, seq_len: int):
     )
 
 
+# Qwen2.5-7B at seq 2048: 8 GB leaves 2.49 GB (0.8 x its logits) to the allocator, 5.51 GB usable: embeddings,
+# LM head and moments in host memory with resident blocks (Note: [headroom]).
 @pytest.mark.parametrize(
     ("model", "budget", "seq_len"),
-    [("Qwen/Qwen2.5-72B", "16GB", 512), ("Qwen/Qwen2.5-7B", "6GB", 2048), ("Qwen/Qwen2.5-32B", "24GB", 4096)],
+    [("Qwen/Qwen2.5-72B", "16GB", 512), ("Qwen/Qwen2.5-7B", "8GB", 2048), ("Qwen/Qwen2.5-32B", "24GB", 4096)],
 )
 def test_check_prints_the_strategys_plan(capsys, model, budget, seq_len):
     plan = _strategy_plan(model, budget, seq_len)
@@ -276,11 +278,12 @@ def test_check_plans_block_major_micro_batches(capsys):
     from poros_lightning.memory.budget import minimum_budget
     from poros_lightning.memory.planner import format_bytes
 
-    args = ["Qwen/Qwen2.5-7B", "--micro-batches", "16", "--loss-chunk-tokens", "512", "--vram-budget", "3GB"]
+    # 3.4 GB: 2.78 GB usable beside 0.62 GB of headroom for a 512-token chunk of logits (Note: [headroom])
+    args = ["Qwen/Qwen2.5-7B", "--micro-batches", "16", "--loss-chunk-tokens", "512", "--vram-budget", "3.4GB"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "batch 1 x 16 block-major micro-batches" in out
     smallest = minimum_budget(known_config("Qwen/Qwen2.5-7B"), micro_batches=16, loss_chunk_tokens=512)
-    assert f"VRAM budget 3.00 GB: fits (the smallest budget that does: {format_bytes(smallest)}" in out
+    assert f"VRAM budget 3.40 GB: fits (the smallest budget that does: {format_bytes(smallest)}" in out
     result = check("Qwen/Qwen2.5-7B", micro_batches=16, loss_chunk_tokens=512)
     assert result.plan.micro_batches == 16 and result.minimum_budget == smallest

@@ -9,7 +9,7 @@ import pytest
 from poros_lightning.arch import known_config
 from poros_lightning.errors import PorosConfigError, PorosOOMError
 from poros_lightning.memory.budget import minimum_budget
-from poros_lightning.memory.estimate import budget_for
+from poros_lightning.memory.estimate import LOGITS_HEADROOM, budget_for, headroom_for
 from poros_lightning.memory.planner import format_bytes, parse_bytes, plan_memory, quantized_weight_bytes
 
 # Qwen2.5-7B shapes: hidden 3584, intermediate 18944, 28 layers, 28 query heads / 4 KV heads of dim 128.
@@ -117,12 +117,20 @@ def test_block_size_and_prefetch():
 def test_vram_budget():
     plan = plan_memory(QWEN25_7B, vram_budget="1GB")
     assert plan.fits is False and plan.resident_fits is False
-    assert plan.min_budget == budget_for(plan.streamed_vram_min) > plan.streamed_vram_min > 10**9  # headroom
+    need, logits = plan.streamed_vram_min, plan.logits_bytes
+    assert plan.min_budget == budget_for(need, logits) > need > 10**9  # headroom
+    # At seq 512 the logits' headroom (0.8 x 10 x tokens x vocabulary) is larger than 10% of the budget.
+    assert plan.min_budget == need + int(LOGITS_HEADROOM * logits) > budget_for(need)
+    assert headroom_for(plan.min_budget, logits) == plan.min_budget - need
+    assert headroom_for(10**12, logits) == 10**11  # 10% where that is larger
     assert plan.max_block_size is None
     roomy = plan_memory(QWEN25_7B, vram_budget="80GB")
     assert roomy.fits is True and roomy.resident_fits is True and roomy.max_block_size == 28
     just = plan_memory(QWEN25_7B, vram_budget=plan.min_budget)
     assert just.fits is True
+    assert plan_memory(QWEN25_7B, vram_budget=plan.min_budget - 1).fits is False
+    chunked = plan_memory(QWEN25_7B, vram_budget="1GB", loss_chunk_tokens=64)
+    assert chunked.logits_bytes < logits and chunked.min_budget < plan.min_budget  # chunks need less headroom
     assert plan_memory(QWEN25_7B).fits is None
 
 
@@ -224,7 +232,8 @@ def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     from poros_lightning.memory.planner import plan_engine
 
     cfg = known_config("Qwen/Qwen2.5-72B")
-    # budgets of 12, 8 and 7 GB usable: the plan leaves 10% of each budget to the allocator
+    # budgets of 12, 8 and 7 GB usable: the plan leaves 10% of each budget to the allocator (more than the
+    # 0.62 GB that 0.8 x the logits of 512 tokens asks for at these budgets: Note: [headroom])
     roomy, medium, tight = plan_engine(cfg, "13.4GB"), plan_engine(cfg, "8.9GB"), plan_engine(cfg, "7.8GB")
     assert not (roomy.embeddings_on_host or roomy.head_on_host or roomy.optimizer_on_host)
     assert medium.embeddings_on_host and medium.optimizer_on_host and not medium.head_on_host  # moments first
@@ -236,7 +245,8 @@ def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     assert any("LM head in host memory" in line for line in tight.explanation)
     middle = plan_engine(known_config("Qwen/Qwen2.5-32B"), "6.67GB")  # embeddings alone suffice (6 GB usable)
     assert middle.embeddings_on_host and not middle.head_on_host and not middle.optimizer_on_host
-    tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.39GB")  # a tied head stays: only the moments move
+    # a tied head stays: only the moments move (1.25 GB usable: the logits' 0.62 GB of headroom is over 10%)
+    tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.87GB")
     assert not tied.embeddings_on_host and not tied.head_on_host and tied.optimizer_on_host
 
 
@@ -292,7 +302,8 @@ def test_minimum_budget_is_the_smallest_budget_plan_engine_accepts(hub_id, seq_l
     tied = bool(cfg.get("tie_word_embeddings"))
     assert plan.embeddings_on_host is plan.head_on_host is not tied
     assert plan.vram_estimate < plan_memory(cfg, seq_len=seq_len).streamed_vram_min
-    assert plan.vram_estimate <= 0.9 * smallest  # Note: [headroom]
+    headroom = headroom_for(smallest, plan_memory(cfg, seq_len=seq_len).logits_bytes)  # Note: [headroom]
+    assert plan.vram_estimate <= smallest - headroom
 
 
 def test_minimum_budget_below_the_all_options_need():
@@ -334,5 +345,5 @@ def test_block_major_micro_batches_keep_every_input_and_recompute_one_micro_batc
         m: minimum_budget(known_config(m), seq_len=512, micro_batches=16, loss_chunk_tokens=512)
         for m in ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-72B")
     }
-    assert format_bytes(smallest["Qwen/Qwen2.5-7B"]) == "2.70 GB"
+    assert format_bytes(smallest["Qwen/Qwen2.5-7B"]) == "3.06 GB"  # 2.43 GB usable: 0.62 GB of logits headroom
     assert format_bytes(smallest["Qwen/Qwen2.5-72B"]) == "6.52 GB"

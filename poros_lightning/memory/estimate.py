@@ -29,7 +29,15 @@ from poros_lightning.memory.sizes import (
     quantized_weight_bytes,
 )
 
-__all__ = ["HEADROOM", "LAYER_SAVES_FACTOR", "MemoryPlan", "budget_for", "plan_memory"]
+__all__ = [
+    "HEADROOM",
+    "LAYER_SAVES_FACTOR",
+    "LOGITS_HEADROOM",
+    "MemoryPlan",
+    "budget_for",
+    "headroom_for",
+    "plan_memory",
+]
 
 
 @dataclass(frozen=True)
@@ -118,13 +126,33 @@ HEADROOM = 0.10
     budget), five of six checkpoints ran out of memory on the H200 (docs/benchmarks/families.jsonl, the
     ``poros_min`` rows); the 16 GB plans that fitted peaked 0.35-0.55 GB above their allocated bytes in reserved
     memory. A plan's estimate therefore stays within 90% of the budget, and what it does not spend the tuner
-    may give to kept activations as measured steps show room (``engine/tuner.py``)."""
+    may give to kept activations as measured steps show room (``engine/tuner.py``).
+
+    The gap grows with the logits, the largest tensors a step frees and allocates again: reserved ran above the
+    allocated peak by 0.3-0.5 GB at Qwen2.5-7B seq 512, 1.0-1.6 GB at seq 2048 and 1.5-2.2 GB at seq 4096, and by
+    0.9-1.0 GB at the 262k-vocabulary Gemma checkpoints at seq 512, where a 10% headroom of a 6.9 GB minimum plan
+    ran out of memory (docs/benchmarks/planner_sweep.jsonl, families.jsonl). So the headroom is also at least
+    :data:`LOGITS_HEADROOM` times the logits term (``10 x tokens x vocabulary`` bytes, or a chunk's with a
+    chunked loss)."""
+
+LOGITS_HEADROOM = 0.8
+"""Headroom kept per byte of the estimate's logits term (Note: [headroom])."""
 
 
-def budget_for(need: int) -> int:
-    """The smallest budget whose usable part (all but :data:`HEADROOM`) holds ``need`` bytes."""
+def headroom_for(budget: int, logits_bytes: int = 0) -> int:
+    """Bytes of ``budget`` that no plan spends: :data:`HEADROOM` of it, at least ``LOGITS_HEADROOM x logits``."""
+    return max(int(budget * HEADROOM), int(LOGITS_HEADROOM * logits_bytes))
+
+
+def budget_for(need: int, logits_bytes: int = 0) -> int:
+    """The smallest budget whose usable part (all but :func:`headroom_for`) holds ``need`` bytes."""
     keep = round((1 - HEADROOM) * 100)
-    return -(-need * 100 // keep)
+    budget = max(-(-need * 100 // keep), need + int(LOGITS_HEADROOM * logits_bytes))
+    while budget > 1 and budget - 1 - headroom_for(budget - 1, logits_bytes) >= need:  # float rounding
+        budget -= 1
+    while budget - headroom_for(budget, logits_bytes) < need:
+        budget += 1
+    return budget
 
 
 def _layer_activation_per_token(layer: LayerShape, targets: frozenset[str], hidden: int) -> int:
@@ -287,10 +315,10 @@ def plan_memory(
 
     fits = resident_fits = min_budget = max_block = None
     if budget is not None:  # every figure keeps HEADROOM of the budget for the allocator, as the planner does
-        usable = int(budget * (1 - HEADROOM))
+        usable = budget - headroom_for(budget, logits_all)
         fits = streamed_min <= usable
         resident_fits = resident_vram_gc <= usable
-        min_budget = budget_for(streamed_min)
+        min_budget = budget_for(streamed_min, logits_all)
         fitting = [bs for bs in range(1, n + 1) if streamed(bs)[2] <= usable]
         max_block = max(fitting) if fitting else None
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from poros_lightning.memory.estimate import HEADROOM, MemoryPlan, budget_for, plan_memory
+from poros_lightning.memory.estimate import HEADROOM, MemoryPlan, budget_for, headroom_for, plan_memory
 from poros_lightning.memory.sizes import (
     BF16,
     LORA_BYTES_PER_PARAM,
@@ -166,11 +166,11 @@ def plan_engine(
     from poros_lightning.errors import PorosOOMError
 
     budget = parse_bytes(vram_budget)
-    usable = int(budget * (1 - HEADROOM))  # Note: [headroom]
     plan = plan_memory(
         cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=1, quantization=quantization,
         prefetch=1, lora_targets=lora_targets, loss_chunk_tokens=loss_chunk_tokens, micro_batches=micro_batches,
     )  # fmt: skip
+    usable = budget - headroom_for(budget, plan.logits_bytes)  # Note: [headroom]
     text = _text_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     table = int(text["vocab_size"]) * int(text["hidden_size"]) * BF16
@@ -244,13 +244,19 @@ def plan_engine(
             fwd = saved_fwd
     total = need()
     if total > usable:
-        smallest = budget_for(total)
+        smallest = budget_for(total, plan.logits_bytes)
         raise PorosOOMError(
             f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
             f"batch {batch_size}{f' x {micro_batches} block-major micro-batches' if micro_batches > 1 else ''}, "
-            f"LoRA r{lora_r}, and leaves {HEADROOM:.0%} of the budget to the allocator: "
+            f"LoRA r{lora_r}, and leaves {format_bytes(headroom_for(smallest, plan.logits_bytes))} of the budget to "
+            "the allocator: "
             f"{format_bytes(smallest)}; the budget is {format_bytes(budget)}.",
-            f"Use vram_budget >= {format_bytes(smallest)}, or a shorter seq_len / smaller batch / lower LoRA rank.",
+            f"Use vram_budget >= {format_bytes(smallest)}, or a shorter seq_len / smaller batch / lower LoRA rank"
+            + (
+                ", or compute the LM head and the loss in chunks (LoRALightningModule(loss_chunk_tokens=512))."
+                if loss_chunk_tokens is None and seq_len * batch_size > 512
+                else "."
+            ),
             needed_bytes=smallest,
         )
     spare = usable - total  # Note: [headroom]
