@@ -314,7 +314,7 @@ def plan_memory(
     largest_layer_bf16 = BF16 * max(x.linear_weight_params for x in shapes.layers)
 
     fits = resident_fits = min_budget = max_block = None
-    if budget is not None:  # every figure keeps HEADROOM of the budget for the allocator, as the planner does
+    if budget is not None:  # every figure keeps headroom_for(budget) for the allocator, as the planner does
         usable = budget - headroom_for(budget, logits_all)
         fits = streamed_min <= usable
         resident_fits = resident_vram_gc <= usable
