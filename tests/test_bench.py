@@ -269,7 +269,9 @@ def test_a_run_out_of_device_memory_is_a_row_and_the_bench_goes_on(
     def first_runs_out(*args: object, **kwargs: object) -> list[float]:
         calls.append(1)
         if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory.")  # what the allocator raises past a memory cap
+            raise torch.OutOfMemoryError(  # what the allocator raises past a memory cap
+                "CUDA out of memory. Tried to allocate 14.00 MiB.\nOf the allocated memory 1.12 GiB is allocated"
+            )
         return step_loop(*args, **kwargs)
 
     monkeypatch.setattr(harness, "step_loop", first_runs_out)
@@ -281,6 +283,7 @@ def test_a_run_out_of_device_memory_is_a_row_and_the_bench_goes_on(
     assert oom["oom"] is True and oom["refused"] is False and oom["s_per_step"] is None
     assert oom["vram_budget"] == 8.0 and oom["planned_peak_gb"] > 0  # the plan that ran out
     assert SWEEP_FIELDS <= set(oom)
+    assert oom["oom_error"] == "CUDA out of memory. Tried to allocate 14.00 MiB. Of the allocated memory 1.12 GiB is allocated"
     assert ran["oom"] is False and ran["s_per_step"] > 0 and ran["loads_per_step"] > 0  # the engine unprepared
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ def _host_rss() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 1e9
+
+
+def _oom_line(err: BaseException) -> str:
+    """The allocator's message in one line: what it tried to allocate, and what was allocated and reserved."""
+    return " ".join(str(err).split())[:600]
 
 
 def _checkpointing(model: Any, *, enable: bool) -> None:
@@ -309,8 +315,14 @@ def bench_methods(
                     h2d_copy_gbps=timed["gbps"] if engine.ring.use_streams else None,  # timed on the copy stream
                     copy_busy_fraction=timed["seconds"] / sum(times) if engine.ring.use_streams else None,
                 )
-        except torch.OutOfMemoryError:
-            row.update(oom=True, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None)
+        except torch.OutOfMemoryError as err:  # the row keeps what ran out, and where: the estimate's error
+            row.update(oom=True, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None, oom_error=_oom_line(err))
+            if device == "cuda":
+                row.update(
+                    oom_peak_allocated_gb=torch.cuda.max_memory_allocated() / 1e9,
+                    oom_reserved_gb=torch.cuda.memory_reserved() / 1e9,
+                    oom_at=traceback.format_exc(limit=-4).splitlines()[-6:-1],
+                )
         finally:
             if device == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)
