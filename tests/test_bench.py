@@ -283,7 +283,10 @@ def test_a_run_out_of_device_memory_is_a_row_and_the_bench_goes_on(
     assert oom["oom"] is True and oom["refused"] is False and oom["s_per_step"] is None
     assert oom["vram_budget"] == 8.0 and oom["planned_peak_gb"] > 0  # the plan that ran out
     assert SWEEP_FIELDS <= set(oom)
-    assert oom["oom_error"] == "CUDA out of memory. Tried to allocate 14.00 MiB. Of the allocated memory 1.12 GiB is allocated"
+    assert (
+        oom["oom_error"]
+        == "CUDA out of memory. Tried to allocate 14.00 MiB. Of the allocated memory 1.12 GiB is allocated"
+    )
     assert ran["oom"] is False and ran["s_per_step"] > 0 and ran["loads_per_step"] > 0  # the engine unprepared
 
 
