@@ -119,9 +119,11 @@ def test_the_child_row_comes_back_whole(tmp_path: Path) -> None:
 
     returned = run_peer(spec, timeout_s=120)  # through a process of its own: the same answer, field for field
     assert returned.pop("log") == str(Path(spec["workdir"]) / "peer.log")  # and where its full output is
+    log_tail = returned.pop("log_tail")  # a refused row carries what the peer printed last
     assert {**returned, "host_rss_gb": None} == {**written, "host_rss_gb": None}
     printed = (Path(spec["workdir"]) / "peer.log").read_text().splitlines()[-1]
     assert json.loads(printed) == returned  # and the child's last line says it too
+    assert log_tail.splitlines()[-1] == printed
 
     slow = run_peer({**spec, "workdir": str(tmp_path / "slow")}, timeout_s=0.01)
     assert slow["refused"] and slow["refusal"] == "timed out after 0.01 s" and slow["method"] == "peer_soup"

@@ -40,6 +40,17 @@ Note: [held weight]
     (:meth:`HostHead.reserve`), form one group that shares one copy in the backward, as the views of
     block-major micro-batches do. The backward's recompute holds that group's copy (``hold(group)``), so a
     chunked loss costs the copies an unchunked head costs: two per step, or one with ``copies=1``.
+
+Note: [the head's own memory]
+    The head's copy is the largest allocation a step makes and frees (1.09 GB at Qwen2.5-7B), once or twice per
+    micro-batch. Allocated on the compute stream, its freed memory went to the next smaller allocations of the
+    compute stream (a layer's recompute, the boundary gradients), and the next copy found no gap as large as
+    itself: at the smallest plans the allocator held 1.0 GB free yet could not place a 1.02 GB head
+    (docs/benchmarks/recipes.jsonl, the ``oom_*`` fields). The caching allocator gives a freed block back
+    only to the stream that allocated it, so the copy is allocated on the copy stream, where nothing else is
+    allocated per step: each copy finds the previous one's memory whole. ``record_stream`` on the compute
+    stream keeps that memory from the next copy until the compute that read it is done; under memory
+    pressure the allocator returns the cached block to the card as it does any other.
 """
 
 from __future__ import annotations
@@ -183,12 +194,13 @@ class HostHead:
             return
         upto = self.nbytes if upto is None else min(upto, self.nbytes)
         if self._pending is None:
-            dev = torch.empty_like(self.host, device=self.device)  # allocated in the compute stream's order
-            dev.record_stream(self.copy_stream)  # freed early (a prefetch never used), it is not reused mid-copy
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.copy_stream):  # Note: [the head's own memory]
+                dev = torch.empty_like(self.host, device=self.device)
+            dev.record_stream(compute)  # freed after its last use, it is not reused before the compute is done
             self._pending, self._issued = (dev, torch.cuda.Event()), 0
             self.loads += 1
-            # The memory's previous user is done (stream-ordered allocation on the compute stream).
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.copy_stream.wait_stream(compute)  # the copy starts in the compute stream's order
         dev, ready = self._pending
         if upto <= self._issued:
             return

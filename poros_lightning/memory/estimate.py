@@ -31,6 +31,7 @@ from poros_lightning.memory.sizes import (
 
 __all__ = [
     "HEADROOM",
+    "DEQUANT_HEADROOM",
     "LAYER_SAVES_FACTOR",
     "LOGITS_HEADROOM",
     "MemoryPlan",
@@ -81,6 +82,8 @@ class MemoryPlan:
             fp32 upcast, fp32 gradient), of ``min(tokens, loss_chunk_tokens)`` tokens with a chunked loss (of all
             block-major micro-batches' tokens).
         micro_batches: block-major micro-batches of ``batch_size`` per step the plan is for.
+        dequant_bytes: the largest linear weight of the layers dequantized to bf16 (what bitsandbytes builds for
+            one matmul).
     """
 
     model_type: str
@@ -117,6 +120,7 @@ class MemoryPlan:
     loss_chunk_tokens: int | None = None
     logits_bytes: int = 0
     micro_batches: int = 1
+    dequant_bytes: int = 0
 
 
 HEADROOM = 0.10
@@ -133,24 +137,37 @@ HEADROOM = 0.10
     0.9-1.0 GB at the 262k-vocabulary Gemma checkpoints at seq 512, where a 10% headroom of a 6.9 GB minimum plan
     ran out of memory (docs/benchmarks/planner_sweep.jsonl, families.jsonl). So the headroom is also at least
     :data:`LOGITS_HEADROOM` times the logits term (``10 x tokens x vocabulary`` bytes, or a chunk's with a
-    chunked loss)."""
+    chunked loss).
+
+    At the smallest plans neither share is large enough: Mistral-7B's minimum plan (1.28 GB, 134 MB headroom) ran
+    out on the H100 at 1.24 GB allocated, 0.09 GB above its estimate, in bitsandbytes' backward
+    ``grad_A = grad_output @ dequantize(W)`` (docs/benchmarks/families.jsonl, the ``oom_*`` fields). What the
+    estimate leaves out there grows with the layer's matmuls, not with the budget: a second dequantized weight
+    beside its matmul's output, cuBLAS's workspace, the allocator's rounding (2 MB pages, 20 MB blocks for
+    requests of 1-10 MB). So the headroom is also at least :data:`DEQUANT_HEADROOM` times the largest weight
+    dequantized to bf16 (235 MB at Mistral-7B, where the run needed about 165 MB more than its estimate)."""
+
+DEQUANT_HEADROOM = 2.0
+"""Headroom kept per byte of the largest dequantized (bf16) weight (Note: [headroom])."""
 
 LOGITS_HEADROOM = 0.8
 """Headroom kept per byte of the estimate's logits term (Note: [headroom])."""
 
 
-def headroom_for(budget: int, logits_bytes: int = 0) -> int:
-    """Bytes of ``budget`` that no plan spends: :data:`HEADROOM` of it, at least ``LOGITS_HEADROOM x logits``."""
-    return max(int(budget * HEADROOM), int(LOGITS_HEADROOM * logits_bytes))
+def headroom_for(budget: int, logits_bytes: int = 0, dequant_bytes: int = 0) -> int:
+    """Bytes of ``budget`` that no plan spends: :data:`HEADROOM` of it, at least ``LOGITS_HEADROOM x logits`` and
+    ``DEQUANT_HEADROOM x`` the largest dequantized weight."""
+    return max(int(budget * HEADROOM), int(LOGITS_HEADROOM * logits_bytes), int(DEQUANT_HEADROOM * dequant_bytes))
 
 
-def budget_for(need: int, logits_bytes: int = 0) -> int:
+def budget_for(need: int, logits_bytes: int = 0, dequant_bytes: int = 0) -> int:
     """The smallest budget whose usable part (all but :func:`headroom_for`) holds ``need`` bytes."""
     keep = round((1 - HEADROOM) * 100)
-    budget = max(-(-need * 100 // keep), need + int(LOGITS_HEADROOM * logits_bytes))
-    while budget > 1 and budget - 1 - headroom_for(budget - 1, logits_bytes) >= need:  # float rounding
+    fixed = max(int(LOGITS_HEADROOM * logits_bytes), int(DEQUANT_HEADROOM * dequant_bytes))
+    budget = max(-(-need * 100 // keep), need + fixed)
+    while budget > 1 and budget - 1 - headroom_for(budget - 1, logits_bytes, dequant_bytes) >= need:  # rounding
         budget -= 1
-    while budget - headroom_for(budget, logits_bytes) < need:
+    while budget - headroom_for(budget, logits_bytes, dequant_bytes) < need:
         budget += 1
     return budget
 
@@ -315,10 +332,10 @@ def plan_memory(
 
     fits = resident_fits = min_budget = max_block = None
     if budget is not None:  # every figure keeps headroom_for(budget) for the allocator, as the planner does
-        usable = budget - headroom_for(budget, logits_all)
+        usable = budget - headroom_for(budget, logits_all, BF16 * largest_weight)
         fits = streamed_min <= usable
         resident_fits = resident_vram_gc <= usable
-        min_budget = budget_for(streamed_min, logits_all)
+        min_budget = budget_for(streamed_min, logits_all, BF16 * largest_weight)
         fitting = [bs for bs in range(1, n + 1) if streamed(bs)[2] <= usable]
         max_block = max(fitting) if fitting else None
 
@@ -357,4 +374,5 @@ def plan_memory(
         loss_chunk_tokens=loss_chunk_tokens,
         logits_bytes=logits_all,
         micro_batches=micro_batches,
+        dequant_bytes=BF16 * largest_weight,
     )

@@ -170,7 +170,7 @@ def plan_engine(
         cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=1, quantization=quantization,
         prefetch=1, lora_targets=lora_targets, loss_chunk_tokens=loss_chunk_tokens, micro_batches=micro_batches,
     )  # fmt: skip
-    usable = budget - headroom_for(budget, plan.logits_bytes)  # Note: [headroom]
+    usable = budget - headroom_for(budget, plan.logits_bytes, plan.dequant_bytes)  # Note: [headroom]
     text = _text_config(cfg)
     tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     table = int(text["vocab_size"]) * int(text["hidden_size"]) * BF16
@@ -244,11 +244,12 @@ def plan_engine(
             fwd = saved_fwd
     total = need()
     if total > usable:
-        smallest = budget_for(total, plan.logits_bytes)
+        smallest = budget_for(total, plan.logits_bytes, plan.dequant_bytes)
+        kept_back = headroom_for(smallest, plan.logits_bytes, plan.dequant_bytes)
         raise PorosOOMError(
             f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
             f"batch {batch_size}{f' x {micro_batches} block-major micro-batches' if micro_batches > 1 else ''}, "
-            f"LoRA r{lora_r}, and leaves {format_bytes(headroom_for(smallest, plan.logits_bytes))} of the budget to "
+            f"LoRA r{lora_r}, and leaves {format_bytes(kept_back)} of the budget to "
             "the allocator: "
             f"{format_bytes(smallest)}; the budget is {format_bytes(budget)}.",
             f"Use vram_budget >= {format_bytes(smallest)}, or a shorter seq_len / smaller batch / lower LoRA rank"

@@ -37,6 +37,18 @@ def _oom_line(err: BaseException) -> str:
     return " ".join(str(err).split())[:600]
 
 
+def _free_blocks() -> dict[str, Any]:
+    """How the caching allocator's reserved memory was laid out when a run ran out: fragmentation, in numbers."""
+    segments = torch.cuda.memory_snapshot()
+    blocks = [b for seg in segments for b in seg["blocks"]]
+    return {
+        "oom_segments": len(segments),
+        "oom_expandable": any(seg.get("is_expandable", False) for seg in segments),
+        "oom_largest_free_mb": max((b["size"] for b in blocks if b["state"] == "inactive"), default=0) / 2**20,
+        "oom_pending_free_mb": sum(b["size"] for b in blocks if b["state"] == "active_pending_free") / 2**20,
+    }
+
+
 def _checkpointing(model: Any, *, enable: bool) -> None:
     """Hugging Face activation checkpointing (non-reentrant) on or off, under transformers' current names.
 
@@ -322,6 +334,7 @@ def bench_methods(
                     oom_peak_allocated_gb=torch.cuda.max_memory_allocated() / 1e9,
                     oom_reserved_gb=torch.cuda.memory_reserved() / 1e9,
                     oom_at=traceback.format_exc(limit=-4).splitlines()[-6:-1],
+                    **_free_blocks(),
                 )
         finally:
             if device == "cuda":

@@ -269,6 +269,8 @@ def run_peer(spec: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> d
         row = json.loads(row_file.read_text())
         if code:
             row["exit_code"] = code  # measured, then failed on the way out (saving, cleanup): the row stands
+        if row.get("refused") or row.get("oom"):  # what the peer printed last: its own words for the failure
+            row["log_tail"] = _tail(output)
         return {**row, "log": str(log_file)}
     if code is None:
         reason = f"timed out after {timeout_s:g} s"
