@@ -41,6 +41,12 @@ def _gate_facts(repo: Path, gate: Gate) -> dict[str, Any]:
     }
 
 
+def _card(row: dict[str, Any]) -> str:
+    """The GPU a row ran on, short: ``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+    words = str(row.get("gpu") or "").removeprefix("NVIDIA ").split()
+    return words[0] if words else "GPU not recorded"
+
+
 def _bench(repo: Path, model: str) -> dict[str, str]:
     """Per plan, ``s/step (x resident_gc), peak GB`` from the newest run that has it beside resident_gc."""
     name = f"{model} (random init)"
@@ -63,12 +69,14 @@ def _bench(repo: Path, model: str) -> dict[str, str]:
             if label not in found and row is not None and row.get("oom"):  # a planned run that ran out: said
                 planned, budget = row.get("planned_peak_gb"), row.get("vram_budget")
                 found[label] = "**out of memory**" + (
-                    f" ({planned:.1f} GB planned, capped at {budget:.1f} GB)" if planned and budget else ""
+                    f" ({planned:.1f} GB planned, capped at {budget:.1f} GB, {_card(row)})"
+                    if planned and budget
+                    else f" ({_card(row)})"
                 )
             elif label not in found and row is not None:
                 ratio = row["s_per_step"] / ref["s_per_step"]
-                found[label] = f"{row['s_per_step']:.3f} s ({ratio:.2f}x), {row['peak_vram_gb']:.1f} GB"
-        found.setdefault("resident_gc", f"{ref['s_per_step']:.3f} s, {ref['peak_vram_gb']:.1f} GB")
+                found[label] = f"{row['s_per_step']:.3f} s ({ratio:.2f}x), {row['peak_vram_gb']:.1f} GB, {_card(row)}"
+        found.setdefault("resident_gc", f"{ref['s_per_step']:.3f} s, {ref['peak_vram_gb']:.1f} GB, {_card(ref)}")
     return found
 
 
@@ -98,8 +106,9 @@ def render(repo: Path) -> str:
         "",
         "Gates are random-init models built from the published configs, LoRA r16 on all linear layers of the "
         "decoder, batch 1, all four surfaces `torch.equal` (loss, gradient norm, adapter, optimizer state). "
-        "Speed columns: s/step at seq 512, batch 1, on the H200, from the newest bench run of that checkpoint "
-        "with `resident_gc` in the same process (`–`: not measured).",
+        "Speed columns: s/step at seq 512, batch 1, on the card named in the cell, from the newest bench run of that "
+        "checkpoint with `resident_gc` in the same process (`–`: not measured); a ratio is against that "
+        "process's `resident_gc`.",
         "",
         END,
     ]

@@ -37,7 +37,10 @@ def budget_gb(row: dict[str, Any]) -> float | None:
 
 
 def _label(row: dict[str, Any]) -> str:
-    return str(row.get("scale") or row.get("model") or "")
+    """The group a row belongs to: its model, and the card it ran on (rows of two cards are never averaged)."""
+    name = str(row.get("scale") or row.get("model") or "")
+    card = str(row.get("gpu") or "").removeprefix("NVIDIA ").split()
+    return f"{name} on {card[0]}" if card else name
 
 
 def _is_reference(row: dict[str, Any]) -> bool:
