@@ -42,9 +42,9 @@ def _gate_facts(repo: Path, gate: Gate) -> dict[str, Any]:
 
 
 def _card(row: dict[str, Any]) -> str:
-    """The GPU a row ran on, short: ``NVIDIA H100 80GB HBM3`` -> ``H100``."""
-    words = str(row.get("gpu") or "").removeprefix("NVIDIA ").split()
-    return words[0] if words else "GPU not recorded"
+    from poros_lightning.tools.bench.sweep import card_name
+
+    return card_name(row) or "GPU not recorded"
 
 
 def _bench(repo: Path, model: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ import html
 import math
 from typing import Any
 
-__all__ = ["budget_gb", "sweep_groups", "sweep_html", "sweep_table"]
+__all__ = ["budget_gb", "card_name", "sweep_groups", "sweep_html", "sweep_table"]
 
 _W, _H = 560, 300
 _LEFT, _RIGHT, _TOP, _BOTTOM = 60, 20, 34, 46
@@ -36,11 +36,16 @@ def budget_gb(row: dict[str, Any]) -> float | None:
     return parse_bytes(value) / 1e9
 
 
+def card_name(row: dict[str, Any]) -> str | None:
+    """The GPU a row ran on, short (``NVIDIA H100 80GB HBM3`` -> ``H100``); None where the row does not say."""
+    words = str(row.get("gpu") or "").removeprefix("NVIDIA ").split()
+    return words[0] if words else None
+
+
 def _label(row: dict[str, Any]) -> str:
     """The group a row belongs to: its model, and the card it ran on (rows of two cards are never averaged)."""
-    name = str(row.get("scale") or row.get("model") or "")
-    card = str(row.get("gpu") or "").removeprefix("NVIDIA ").split()
-    return f"{name} on {card[0]}" if card else name
+    name, card = str(row.get("scale") or row.get("model") or ""), card_name(row)
+    return f"{name} on {card}" if card else name
 
 
 def _is_reference(row: dict[str, Any]) -> bool:
