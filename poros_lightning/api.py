@@ -304,6 +304,8 @@ def check_linear_attention_kernels(base: nn.Module, device: torch.device) -> Non
     packages are installed (and the inputs are on CUDA), on its PyTorch reference functions otherwise. Only the
     reference path is gated bit-identical (docs/validation/parity_qwen3.5-27b.jsonl, run without them); the fast
     kernels' backward has not been shown deterministic, and a kernel that is not makes the recompute differ.
+    transformers 5.x also swaps them in from the Hub when a model is loaded with ``use_kernels`` (the default of
+    ``from_pretrained`` where the ``kernels`` package is installed): a kernelized model is refused the same way.
     """
     import importlib.util
 
@@ -317,6 +319,13 @@ def check_linear_attention_kernels(base: nn.Module, device: torch.device) -> Non
             "bit-identical: the GPU gates ran transformers' PyTorch reference kernels.",
             "Uninstall flash-linear-attention and causal-conv1d (pip uninstall flash-linear-attention causal-conv1d) "
             "so that transformers runs its reference kernels, or train this model without poros-lightning.",
+        )
+    if getattr(base, "use_kernels", False):
+        raise PorosConfigError(
+            "This Qwen3.5 model was kernelized by transformers (use_kernels): its linear-attention layers would run "
+            "Hub kernels, which are not gated bit-identical: the GPU gates ran transformers' PyTorch reference kernels.",
+            "Load it with from_pretrained(..., use_kernels=False), call model.reset_kernels() before prepare(), or "
+            "set USE_HUB_KERNELS=0.",
         )
 
 

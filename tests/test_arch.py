@@ -379,3 +379,8 @@ def test_fast_linear_attention_kernels_are_refused_on_cuda(monkeypatch):
         check_linear_attention_kernels(model, torch.device("cuda", 0))
     check_linear_attention_kernels(model, torch.device("cpu"))  # the CPU path is the reference path
     check_linear_attention_kernels(_build(TINY["qwen2"]), torch.device("cuda", 0))  # not a linear-attention model
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    check_linear_attention_kernels(model, torch.device("cuda", 0))  # neither package: the reference kernels
+    model._use_kernels = True  # what from_pretrained(use_kernels=True) leaves (PreTrainedModel.use_kernels)
+    with pytest.raises(PorosConfigError, match="HINT: Load it with from_pretrained"):
+        check_linear_attention_kernels(model, torch.device("cuda", 0))
