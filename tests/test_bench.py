@@ -564,3 +564,20 @@ def test_resident_paged_adamw_is_a_run_and_a_refused_row_off_cuda(tmp_path: Path
     assert plain["s_per_step"] > 0 and plain["optimizer"] == "adamw"
     with pytest.raises(PorosConfigError, match="optimizer"):
         _run(tmp_path, {**cfg, "runs": [{"method": "resident_gc", "optimizer": "sgd"}]})
+
+
+def test_sweep_groups_keep_effective_batches_apart() -> None:
+    """A 16-sample resident step is no reference for a one-sample plan: each effective batch is its own group."""
+    from poros_lightning.tools.bench.sweep import sweep_groups
+
+    one = {"scale": "72B", "seq_len": 512, "gpu": "NVIDIA H100 80GB HBM3"}
+    rows = [
+        {**one, "method": "resident_gc", "base_method": "resident_gc", "s_per_step": 0.9},
+        {**one, "method": "poros_24GB", "base_method": "poros", "vram_budget": 24.0, "s_per_step": 1.3},
+        {**one, "method": "resident_gc_x16", "base_method": "resident_gc", "effective_batch": 16, "s_per_step": 17.5},
+        {**one, "method": "poros_min_bm16", "base_method": "poros", "vram_budget": 6.15, "effective_batch": 16},
+    ]
+    groups = sweep_groups(rows)
+    assert sorted(groups) == [("72B on H100", 512), ("72B x16 on H100", 512)]
+    assert [r["method"] for r in groups[("72B on H100", 512)]] == ["resident_gc", "poros_24GB"]
+    assert [r["method"] for r in groups[("72B x16 on H100", 512)]] == ["resident_gc_x16", "poros_min_bm16"]

@@ -43,8 +43,11 @@ def card_name(row: dict[str, Any]) -> str | None:
 
 
 def _label(row: dict[str, Any]) -> str:
-    """The group a row belongs to: its model, and the card it ran on (rows of two cards are never averaged)."""
+    """The group a row belongs to: its model, its effective batch and the card it ran on (rows of two cards, or of
+    two effective batches, are never averaged or compared)."""
     name, card = str(row.get("scale") or row.get("model") or ""), card_name(row)
+    batch = row.get("effective_batch") or 1
+    name = f"{name} x{batch}" if batch > 1 else name
     return f"{name} on {card}" if card else name
 
 
