@@ -581,3 +581,21 @@ def test_sweep_groups_keep_effective_batches_apart() -> None:
     assert sorted(groups) == [("72B on H100", 512), ("72B x16 on H100", 512)]
     assert [r["method"] for r in groups[("72B on H100", 512)]] == ["resident_gc", "poros_24GB"]
     assert [r["method"] for r in groups[("72B x16 on H100", 512)]] == ["resident_gc_x16", "poros_min_bm16"]
+
+
+def test_support_table_cell_of_a_plan_run_alone(tmp_path: Path) -> None:
+    """The newest run of a plan fills its cell even without resident_gc beside it: with no ratio, said so."""
+    from poros_lightning.tools.support_table import _bench
+
+    bench = tmp_path / "docs" / "benchmarks"
+    bench.mkdir(parents=True)
+    one = {"model": "m (random init)", "seq_len": 512, "batch_size": 1, "gpu": "NVIDIA H100 80GB HBM3"}
+    rows = [
+        {**one, "run_id": "a", "method": "resident_gc", "s_per_step": 0.5, "peak_vram_gb": 5.0},
+        {**one, "run_id": "a", "method": "poros_min", "oom": True, "planned_peak_gb": 1.1, "vram_budget": 1.3},
+        {**one, "run_id": "b", "method": "poros_min", "s_per_step": 0.42, "peak_vram_gb": 1.25},
+    ]
+    (bench / "families.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cells = _bench(tmp_path, "m")
+    assert cells["min-memory plan"] == "0.420 s (no resident_gc in its run), 1.2 GB, H100"
+    assert cells["resident_gc"] == "0.500 s, 5.0 GB, H100"

@@ -48,7 +48,8 @@ def _card(row: dict[str, Any]) -> str:
 
 
 def _bench(repo: Path, model: str) -> dict[str, str]:
-    """Per plan, ``s/step (x resident_gc), peak GB`` from the newest run that has it beside resident_gc."""
+    """Per plan, ``s/step (x resident_gc), peak GB`` from the newest run that has it (the ratio: beside resident_gc
+    in the same run; a plan run alone says it has none)."""
     name = f"{model} (random init)"
     runs: dict[str, list[dict[str, Any]]] = {}
     for path in sorted((repo / "docs" / "benchmarks").glob("*.jsonl")):
@@ -62,7 +63,7 @@ def _bench(repo: Path, model: str) -> dict[str, str]:
             r.get("method"): r for r in runs[key] if (r.get("s_per_step") and not r.get("refused")) or r.get("oom")
         }
         ref = by_method.get("resident_gc")
-        if ref is None or ref.get("oom"):
+        if ref is not None and ref.get("oom"):
             continue
         for label, methods in _PLANS.items():
             row = next((by_method[m] for m in methods if m in by_method), None)
@@ -73,10 +74,11 @@ def _bench(repo: Path, model: str) -> dict[str, str]:
                     if planned and budget
                     else f" ({_card(row)})"
                 )
-            elif label not in found and row is not None:
-                ratio = row["s_per_step"] / ref["s_per_step"]
-                found[label] = f"{row['s_per_step']:.3f} s ({ratio:.2f}x), {row['peak_vram_gb']:.1f} GB, {_card(row)}"
-        found.setdefault("resident_gc", f"{ref['s_per_step']:.3f} s, {ref['peak_vram_gb']:.1f} GB, {_card(ref)}")
+            elif label not in found and row is not None:  # a run of the plan alone: no ratio to give
+                ratio = f" ({row['s_per_step'] / ref['s_per_step']:.2f}x)" if ref else " (no resident_gc in its run)"
+                found[label] = f"{row['s_per_step']:.3f} s{ratio}, {row['peak_vram_gb']:.1f} GB, {_card(row)}"
+        if ref is not None:
+            found.setdefault("resident_gc", f"{ref['s_per_step']:.3f} s, {ref['peak_vram_gb']:.1f} GB, {_card(ref)}")
     return found
 
 
