@@ -599,3 +599,49 @@ def test_support_table_cell_of_a_plan_run_alone(tmp_path: Path) -> None:
     cells = _bench(tmp_path, "m")
     assert cells["min-memory plan"] == "0.420 s (no resident_gc in its run), 1.2 GB, H100"
     assert cells["resident_gc"] == "0.500 s, 5.0 GB, H100"
+
+
+def test_oom_fields_lay_out_the_allocator_per_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An out-of-memory row says where the reserved memory sits: per segment, its stream, mapped size, what is
+    allocated and its free pieces (the bench reads them at the failed allocation through an OOM observer)."""
+    import torch
+
+    from poros_lightning.tools.bench import harness
+
+    mb = 2**20
+    snapshot = [
+        {
+            "stream": 0,
+            "is_expandable": True,
+            "segment_type": "large",
+            "total_size": 600 * mb,
+            "allocated_size": 100 * mb,
+            "blocks": [
+                {"size": 100 * mb, "state": "active_allocated"},
+                {"size": 300 * mb, "state": "inactive"},
+                {"size": 200 * mb, "state": "inactive"},
+            ],
+        },
+        {
+            "stream": 7,
+            "is_expandable": True,
+            "segment_type": "large",
+            "total_size": 40 * mb,
+            "allocated_size": 0,
+            "blocks": [{"size": 40 * mb, "state": "active_pending_free"}],
+        },
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    fields = harness._free_blocks()
+    assert fields["oom_segments"] == 2 and fields["oom_expandable"]
+    assert fields["oom_largest_free_mb"] == 300 and fields["oom_pending_free_mb"] == 40
+    assert fields["oom_segment_table"][0] == {
+        "stream": 0,
+        "expandable": True,
+        "pool": "large",
+        "mb": 600.0,
+        "allocated_mb": 100.0,
+        "free_pieces": 2,
+        "largest_free_mb": 300.0,
+    }
+    assert fields["oom_segment_table"][1]["free_pieces"] == 0

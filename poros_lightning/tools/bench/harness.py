@@ -38,15 +38,51 @@ def _oom_line(err: BaseException) -> str:
 
 
 def _free_blocks() -> dict[str, Any]:
-    """How the caching allocator's reserved memory was laid out when a run ran out: fragmentation, in numbers."""
+    """How the caching allocator's reserved memory was laid out when a run ran out: fragmentation, in numbers.
+
+    Per segment (``oom_segment_table``): its stream, whether it is expandable, its mapped size, what is allocated
+    in it, its free pieces and the largest one (MB), so a reserved-but-unusable figure says where it sits."""
     segments = torch.cuda.memory_snapshot()
     blocks = [b for seg in segments for b in seg["blocks"]]
+    table = []
+    for seg in segments:
+        free = [b["size"] for b in seg["blocks"] if b["state"] == "inactive"]
+        table.append(
+            {
+                "stream": seg.get("stream"),
+                "expandable": seg.get("is_expandable", False),
+                "pool": seg.get("segment_type"),
+                "mb": round(seg["total_size"] / 2**20, 1),
+                "allocated_mb": round(seg["allocated_size"] / 2**20, 1),
+                "free_pieces": len(free),
+                "largest_free_mb": round(max(free, default=0) / 2**20, 1),
+            }
+        )
     return {
         "oom_segments": len(segments),
         "oom_expandable": any(seg.get("is_expandable", False) for seg in segments),
         "oom_largest_free_mb": max((b["size"] for b in blocks if b["state"] == "inactive"), default=0) / 2**20,
         "oom_pending_free_mb": sum(b["size"] for b in blocks if b["state"] == "active_pending_free") / 2**20,
+        "oom_segment_table": table,
     }
+
+
+_AT_FAILURE: dict[str, Any] = {}
+"""The allocator's layout at the failed allocation itself (:func:`_watch_oom`), before the step unwound."""
+
+
+def _watch_oom() -> None:
+    """Record :func:`_free_blocks` the moment an allocation fails: the handler of the run sees memory only after
+    the failed step's tensors are freed, which hides the fragmentation that made it fail."""
+    if getattr(_watch_oom, "attached", False) or not hasattr(torch._C, "_cuda_attach_out_of_memory_observer"):
+        return
+
+    def observe(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        _AT_FAILURE.clear()
+        _AT_FAILURE.update(_free_blocks(), oom_reserved_gb=torch.cuda.memory_reserved() / 1e9)
+
+    torch._C._cuda_attach_out_of_memory_observer(observe)
+    _watch_oom.attached = True  # type: ignore[attr-defined]
 
 
 def _checkpointing(model: Any, *, enable: bool) -> None:
@@ -116,6 +152,8 @@ def bench_methods(
         from poros_lightning.lightning.planning import use_expandable_segments
 
         use_expandable_segments(torch.device("cuda"), logging.getLogger(__name__))
+    if device == "cuda":
+        _watch_oom()
     model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization, blockwise=blockwise)
     if compile_layers:
         from poros_lightning.training.compiling import compile_layers as compile_each_layer
@@ -136,6 +174,7 @@ def bench_methods(
     rows = []
     for run in runs:
         method = run["method"]
+        _AT_FAILURE.clear()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
         with torch.no_grad():
@@ -334,8 +373,8 @@ def bench_methods(
                     oom_peak_allocated_gb=torch.cuda.max_memory_allocated() / 1e9,
                     oom_reserved_gb=torch.cuda.memory_reserved() / 1e9,
                     oom_at=traceback.format_exc(limit=-4).splitlines()[-6:-1],
-                    **_free_blocks(),
                 )
+                row.update(_AT_FAILURE or _free_blocks())  # at the failure where it was seen, else now
         finally:
             if device == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)
