@@ -645,3 +645,27 @@ def test_oom_fields_lay_out_the_allocator_per_segment(monkeypatch: pytest.Monkey
         "largest_free_mb": 300.0,
     }
     assert fields["oom_segment_table"][1]["free_pieces"] == 0
+
+
+def test_the_link_probe_gives_its_buffer_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link probe empties the cache after freeing its buffer (Note: [the probe's segment]); switching on
+    expandable segments does too, so no tensor lands in a fixed segment cached before."""
+    import logging
+
+    import torch
+
+    from poros_lightning.engine.link import measure_h2d
+    from poros_lightning.lightning.planning import use_expandable_segments
+
+    calls: list[str] = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: calls.append(s))
+    monkeypatch.setattr(torch, "empty", lambda n, dtype=None, **kw: real_empty(n, dtype=dtype))  # on the CPU
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert measure_h2d(nbytes=1 << 10, repeats=1) > 0
+    assert calls == ["empty_cache"]
+    assert use_expandable_segments(torch.device("cuda", 0), logging.getLogger("test"))
+    assert calls == ["empty_cache", "expandable_segments:True", "empty_cache"]

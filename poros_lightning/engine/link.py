@@ -14,7 +14,19 @@ __all__ = ["measure_h2d"]
 
 
 def measure_h2d(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Pinned host-to-device bandwidth in GB/s (1e9 bytes), best of ``repeats``."""
+    """Pinned host-to-device bandwidth in GB/s (1e9 bytes), best of ``repeats``.
+
+    The probe's device buffer is given back to the card (Note: [the probe's segment]).
+
+    Note: [the probe's segment]
+        The caching allocator keeps a freed buffer as a cached segment of its size, and the next tensors land in
+        it. Measured before expandable segments are switched on (``bench run`` measures the link first), a 1 GiB
+        probe left a fixed 1 GiB segment that the model's long-lived tensors then split: on the H100 at 7B,
+        16 block-major micro-batches under a 2.02 GB budget, it held 151 MB of them and 873 MB free in pieces,
+        which neither the LM head's 1.02 GiB copy could use nor the allocator could return, and the head's
+        first copy ran out of memory (docs/benchmarks/recipes.jsonl, ``oom_segment_table``). Emptying the cache
+        right after the probe returns the whole segment before anything can split it.
+    """
     if not torch.cuda.is_available():
         return 0.0
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -27,4 +39,5 @@ def measure_h2d(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     del src, dst
+    torch.cuda.empty_cache()  # Note: [the probe's segment]
     return nbytes / best / 1e9

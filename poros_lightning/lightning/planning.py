@@ -59,6 +59,7 @@ def use_expandable_segments(device: torch.device, log: logging.Logger) -> bool:
     if device.type != "cuda" or "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return False
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    torch.cuda.empty_cache()  # free fixed segments cached so far go back: no later tensor splits them
     log.info("poros plan: the CUDA caching allocator uses expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose)")
     return True
 
