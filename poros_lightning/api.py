@@ -106,7 +106,12 @@ def _resolve_or_none(base: nn.Module, path: str) -> nn.Module | None:
 
 
 def _host_head(
-    base: nn.Module, embed_path: str, head_path: str, engine: StreamingEngine, copies: int = 2
+    base: nn.Module,
+    embed_path: str,
+    head_path: str,
+    engine: StreamingEngine,
+    copies: int = 2,
+    prefetch: bool = True,
 ) -> HostHead | None:
     head = _resolve_or_none(base, head_path)
     weight = getattr(head, "weight", None)
@@ -118,8 +123,9 @@ def _host_head(
         return None
     ring = engine.ring
     host_head = HostHead(head, engine.device, ring.copy_stream if ring.use_streams else None, copies=copies)
-    host_head.schedule(len(engine.layers), engine.store.max_block_bytes / engine.options.block_size)
-    engine.streamer.on_forward.append(host_head.on_layer_forward)  # Note: [prefetch] in engine.head
+    if prefetch:
+        host_head.schedule(len(engine.layers), engine.store.max_block_bytes / engine.options.block_size)
+        engine.streamer.on_forward.append(host_head.on_layer_forward)  # Note: [prefetch] in engine.head
     return host_head
 
 
@@ -151,6 +157,7 @@ def prepare(
     embeddings_on_host: bool = False,
     head_on_host: bool = False,
     head_copies: int = 2,
+    head_prefetch: bool = True,
     inputs_on_host: bool = False,
     allow_unlisted_arch: bool = False,
     arena_factory: ArenaFactory | None = None,
@@ -181,6 +188,9 @@ def prepare(
         head_copies: with ``head_on_host``, copies of the head's weight per step: 2 (for its forward and
             again for its backward; the weight and the fp32 logits never share the device) or 1 (the
             forward's copy is kept until the head's backward: one copy fewer, for the overlap).
+        head_prefetch: with ``head_on_host``, copy the head in during the last decoder layers' forwards (hidden
+            behind them; the weight then shares the device with those layers' forwards) or, ``False``, when
+            the head runs (nothing of the layers' forwards beside it; the copy is not hidden).
         inputs_on_host: each recomputing layer's saved input (its hidden state) waits in pinned host
             memory from the forward to the backward (exact; copied out and back on side streams).
         allow_unlisted_arch: try an architecture missing from the registry, as experimental.
@@ -239,7 +249,9 @@ def prepare(
     engine = StreamingEngine(layers, refs, device, options, arena_factory=arena_factory)
     quant.move_quant_states(model, device)
     engine.host_embedding = _host_embedding(base, spec.embed, spec.head, device) if embeddings_on_host else None
-    engine.host_head = _host_head(base, spec.embed, spec.head, engine, head_copies) if head_on_host else None
+    engine.host_head = (
+        _host_head(base, spec.embed, spec.head, engine, head_copies, head_prefetch) if head_on_host else None
+    )
     move_resident(model, device)
     config = getattr(base, "config", None)
     engine.saved_use_cache = getattr(config, "use_cache", None)

@@ -176,6 +176,20 @@ def test_one_head_copy_per_step_is_exact(reference: dict) -> None:
     assert host_head.loads == 4
 
 
+def test_head_copied_when_it_runs_is_exact(reference: dict) -> None:
+    """head_prefetch=False: no piece of the head is queued during the layers' forwards; every surface exact."""
+    model = prepare(
+        build_peft_model(lora_dropout=0.1), device="cpu", head_on_host=True, head_copies=1, head_prefetch=False
+    )
+    engine = engine_of(model)
+    assert engine.host_head.on_layer_forward not in engine.streamer.on_forward
+    got = train_loop(model)
+    assert differences(reference, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+    assert engine.host_head.loads == 3
+    spread = engine_of(prepare(build_peft_model(), device="cpu", head_on_host=True))
+    assert spread.host_head.on_layer_forward in spread.streamer.on_forward
+
+
 def _inputs_offloaded(model: torch.nn.Module):
     offload = engine_of(model).streamer.inputs
     offload.min_bytes = 0  # the tiny model's hidden states are far below the default threshold

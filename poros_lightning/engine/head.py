@@ -30,7 +30,10 @@ Note: [prefetch]
     layer's compute hides whenever it takes twice a layer's copy. The weight then occupies the device
     during those layers' forwards, where less is allocated than at the head (no logits yet). The
     backward's copy cannot overlap anything useful (the loss's backward is tiny) and runs when the
-    node asks for it: at 55 GB/s a 7B head costs about 20 ms per step, a 72B head 45 ms.
+    node asks for it: at 55 GB/s a 7B head costs about 20 ms per step, a 72B head 45 ms. With a chunked
+    loss, the planner counts the weight away from the layers' forwards; where the budget cannot hold both,
+    it turns the spread off (``head_prefetch=False``) and the forward's copy, too, runs when the head asks
+    for it: one unhidden copy per step (2.49 GB at 72B: 45 ms of a 17 s step of 16 block-major micro-batches).
 
 Note: [held weight]
     A loss computed in token chunks calls the head once per chunk, in its forward and again in its
@@ -218,6 +221,8 @@ class HostHead:
 
     @torch.no_grad()
     def _fetch(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self._pending is None and self.copy_stream is not None:
+            self.prefetch()  # not prefetched (head_prefetch=False, the backward's copy): on the copy stream too
         if self._pending is not None:
             self.prefetch()  # the pieces not queued yet (a forward that skipped layers)
             dev, ready = self._pending

@@ -108,6 +108,8 @@ class PorosDDPStrategy(DDPStrategy):
         head_on_host: keep the LM head's weight in host memory (per rank), copied in for the head's
             forward and backward only (exact; untied models).
         head_copies: with ``head_on_host``, ``1`` keeps the forward's copy for the backward (one per step).
+        head_prefetch: with ``head_on_host``, ``False`` copies the head in when it runs, not during the
+            last layers' forwards.
         inputs_on_host: each recomputing layer's saved input waits in host memory (per rank; see
             :class:`~poros_lightning.PorosStrategy`).
         micro_batch_order: replace the ``DistributedSampler`` Lightning injects with a
@@ -139,6 +141,7 @@ class PorosDDPStrategy(DDPStrategy):
         shared_base: bool = True,
         head_on_host: bool | None = None,
         head_copies: int | None = None,
+        head_prefetch: bool | None = None,
         inputs_on_host: bool | None = None,
         micro_batch_order: bool = True,
         allow_dropout: bool = False,
@@ -178,6 +181,7 @@ class PorosDDPStrategy(DDPStrategy):
             embeddings_on_host=embeddings_on_host,
             head_on_host=head_on_host,
             head_copies=head_copies,
+            head_prefetch=head_prefetch,
             inputs_on_host=inputs_on_host,
         )
         self.allow_unlisted_arch = allow_unlisted_arch

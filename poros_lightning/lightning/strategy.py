@@ -82,6 +82,8 @@ class PorosStrategy(SingleDeviceStrategy):
             backward only (exact; untied models; two head copies per step).
         head_copies: with ``head_on_host``, ``1`` keeps the forward's copy of the head for its backward:
             one head copy per step, the weight then beside the fp32 logits during the loss (exact).
+        head_prefetch: with ``head_on_host``, ``False`` copies the head in when it runs instead of during the
+            last layers' forwards: less memory beside those forwards, a copy not hidden (exact).
         inputs_on_host: each recomputing layer's saved input (its hidden state, ``tokens x hidden``) waits
             in pinned host memory from the forward to the backward, copied out and back on side streams
             (exact; what a streamed forward otherwise accumulates on the device, one per layer).
@@ -124,6 +126,7 @@ class PorosStrategy(SingleDeviceStrategy):
         micro_batches: int = 1,
         head_on_host: bool | None = None,
         head_copies: int | None = None,
+        head_prefetch: bool | None = None,
         inputs_on_host: bool | None = None,
         optimizer_on_host: bool | None = None,
         keep_activations: int | None = None,
@@ -169,6 +172,7 @@ class PorosStrategy(SingleDeviceStrategy):
             embeddings_on_host=embeddings_on_host,
             head_on_host=head_on_host,
             head_copies=head_copies,
+            head_prefetch=head_prefetch,
             inputs_on_host=inputs_on_host,
             optimizer_on_host=optimizer_on_host,
         )

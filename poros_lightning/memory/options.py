@@ -47,6 +47,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("embeddings_on_host", False, True, "the input embedding table stays in host memory"),
     Option("head_on_host", False, True, "the LM head's weight stays in host memory, copied in for its uses"),
     Option("head_copies", 2, True, "head copies per step with head_on_host (1: the forward's copy serves both)"),
+    Option("head_prefetch", True, True, "with head_on_host, its copy runs during the last layers' forwards"),
     Option("inputs_on_host", False, True, "recomputing layers' saved inputs wait in host memory"),
     Option("optimizer_on_host", False, True, "the optimizer's moments wait in host memory between steps"),
 )

@@ -61,6 +61,8 @@ class EnginePlan:
         embeddings_on_host: keep the input embedding table in host memory.
         head_on_host: keep the LM head's weight in host memory, copied in for its forward and backward.
         head_copies: head copies per step with ``head_on_host`` (1: the forward's copy serves the backward).
+        head_prefetch: with ``head_on_host``, the head's copy runs during the last layers' forwards (``False``:
+            when the head runs, so the weight never shares the device with a layer's forward).
         inputs_on_host: each recomputing layer's saved input waits in host memory.
         optimizer_on_host: keep the optimizer's moments in host memory between steps.
         activation_layer_bytes: estimate of one layer's kept activations (what the tuner starts from).
@@ -82,6 +84,7 @@ class EnginePlan:
     head_copies: int = 2
     inputs_on_host: bool = False
     activation_layer_bytes: int = 0
+    head_prefetch: bool = True
 
     def options(self) -> dict[str, Any]:
         """Every option the plan chooses (:data:`poros_lightning.memory.options.OPTIONS` marks them ``planned``)."""
@@ -97,6 +100,7 @@ class EnginePlan:
             "embeddings_on_host": self.embeddings_on_host,
             "head_on_host": self.head_on_host,
             "head_copies": self.head_copies,
+            "head_prefetch": self.head_prefetch,
             "inputs_on_host": self.inputs_on_host,
         }
 
@@ -211,10 +215,12 @@ def plan_engine(
     if loss_chunk_tokens is None:
         head_saves = min(table, 8 * tokens * vocab)
     else:
-        # Every chunk needs the weight: it sits beside the chunks' logits, and is away only from the rest of the
-        # estimate's activations (a layer's recompute, the dequantized weight, the boundary gradients).
-        inputs_and_logits = plan.num_layers * tokens * int(text["hidden_size"]) * BF16 + plan.logits_bytes
-        head_saves = min(table, plan.activation_streamed_bytes - inputs_and_logits)
+        # Every chunk needs the weight: it sits beside the chunks' logits and the head's input and its gradient
+        # (two hidden states), and is away only from a layer's forward or recompute and the dequantized weight,
+        # provided its copy waits for the head (head_prefetch below).
+        hidden_state = tokens * int(text["hidden_size"]) * BF16
+        inputs_and_logits = plan.num_layers * hidden_state + plan.logits_bytes
+        head_saves = min(table, plan.activation_streamed_bytes - inputs_and_logits - 2 * hidden_state)
     if need() > usable and not tied and head_frozen:
         head_host = True
         fwd -= head_saves
@@ -242,6 +248,15 @@ def plan_engine(
             why.append(f"the head's forward copy serves its backward (one head copy per step): {format_bytes(need())}")
         else:
             fwd = saved_fwd
+    head_prefetch = True
+    if head_host and loss_chunk_tokens is not None:
+        # Copied during the last layers' forwards, the weight would sit beside a layer's forward and a dequantized
+        # weight, the very memory it was counted away from: that copy waits for the head unless both fit.
+        fwd += head_saves
+        if need() > usable:
+            head_prefetch = False
+            why.append("the head's copy waits for the head (not beside the last layers' forwards, not hidden)")
+        fwd -= head_saves
     total = need()
     if total > usable:
         smallest = budget_for(total, plan.logits_bytes, plan.dequant_bytes)
@@ -261,6 +276,8 @@ def plan_engine(
             needed_bytes=smallest,
         )
     spare = usable - total  # Note: [headroom]
+    if head_host and loss_chunk_tokens is not None and head_prefetch:
+        spare -= head_saves  # what stays beside the last layers' forwards while the head's copy runs there
     kept = 0
     if int(text.get("num_kv_shared_layers") or 0):
         keep_activations = False  # refused by prepare(): a later layer's backward reads an earlier layer's K/V
@@ -319,4 +336,5 @@ def plan_engine(
         head_copies=head_copies,
         inputs_on_host=inputs_host,
         activation_layer_bytes=plan.activation_layer_bytes,
+        head_prefetch=head_prefetch,
     )

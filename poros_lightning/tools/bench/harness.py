@@ -191,6 +191,7 @@ def bench_methods(
                 "embeddings_on_host",
                 "head_on_host",
                 "head_copies",
+                "head_prefetch",
                 "inputs_on_host",
             )
             if k in run
