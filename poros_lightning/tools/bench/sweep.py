@@ -76,6 +76,8 @@ def _plan_summary(row: dict[str, Any]) -> str:
     parts = [f"host: {', '.join(host)}"] if host else []
     if row.get("head_on_host") and row.get("head_copies") == 1:
         parts.append("1 head copy")
+    if row.get("head_on_host") and row.get("head_prefetch") is False:
+        parts.append("head copied when it runs")
     if row.get("resident_blocks"):
         parts.append(f"{row['resident_blocks']} resident blocks")
     if row.get("keep_activations"):
