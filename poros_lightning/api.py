@@ -334,8 +334,8 @@ def check_linear_attention_kernels(base: nn.Module, device: torch.device) -> Non
         )
     if getattr(base, "use_kernels", False):
         raise PorosConfigError(
-            "This Qwen3.5 model was kernelized by transformers (use_kernels): its linear-attention layers would run "
-            "Hub kernels, which are not gated bit-identical: the GPU gates ran transformers' PyTorch reference kernels.",
+            "This Qwen3.5 model was kernelized by transformers (use_kernels): its layers may run Hub kernels, "
+            "which are not gated bit-identical: the GPU gates ran transformers' PyTorch reference kernels.",
             "Load it with from_pretrained(..., use_kernels=False), call model.reset_kernels() before prepare(), or "
             "set USE_HUB_KERNELS=0.",
         )

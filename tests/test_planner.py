@@ -307,7 +307,9 @@ def test_a_host_head_is_copied_during_the_forwards_only_where_both_fit():
     assert smallest.head_on_host and smallest.head_copies == 1 and not smallest.head_prefetch
     roomy = plan_engine(cfg, "16GB", **kw)
     assert roomy.head_on_host and roomy.head_prefetch
-    assert all(line != "the head's copy waits for the head" for line in roomy.explanation)
+    assert not any(line.startswith("the head's copy waits for the head") for line in roomy.explanation)
+    # The copy spread over the last layers' forwards is counted beside them; resident blocks fit around it.
+    assert roomy.vram_estimate <= 16e9 - 1.6e9 and roomy.resident_blocks > 0
 
 
 @pytest.mark.parametrize("seq_len", [512, 2048, 4096])

@@ -252,11 +252,11 @@ def plan_engine(
     if head_host and loss_chunk_tokens is not None:
         # Copied during the last layers' forwards, the weight would sit beside a layer's forward and a dequantized
         # weight, the very memory it was counted away from: that copy waits for the head unless both fit.
-        fwd += head_saves
+        fwd += head_saves  # spread over the last layers' forwards, the copy sits beside one of them
         if need() > usable:
             head_prefetch = False
+            fwd -= head_saves
             why.append("the head's copy waits for the head (not beside the last layers' forwards, not hidden)")
-        fwd -= head_saves
     total = need()
     if total > usable:
         smallest = budget_for(total, plan.logits_bytes, plan.dequant_bytes)
@@ -276,8 +276,6 @@ def plan_engine(
             needed_bytes=smallest,
         )
     spare = usable - total  # Note: [headroom]
-    if head_host and loss_chunk_tokens is not None and head_prefetch:
-        spare -= head_saves  # what stays beside the last layers' forwards while the head's copy runs there
     kept = 0
     if int(text.get("num_kv_shared_layers") or 0):
         keep_activations = False  # refused by prepare(): a later layer's backward reads an earlier layer's K/V

@@ -79,7 +79,10 @@ def _watch_oom() -> None:
 
     def observe(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
         _AT_FAILURE.clear()
-        _AT_FAILURE.update(_free_blocks(), oom_reserved_gb=torch.cuda.memory_reserved() / 1e9)
+        try:  # an error here would replace the out-of-memory error the run's handler records
+            _AT_FAILURE.update(_free_blocks(), oom_reserved_gb=torch.cuda.memory_reserved() / 1e9)
+        except Exception:  # noqa: BLE001
+            _AT_FAILURE.clear()
 
     torch._C._cuda_attach_out_of_memory_observer(observe)
     _watch_oom.attached = True  # type: ignore[attr-defined]
