@@ -221,10 +221,10 @@ class HostHead:
 
     @torch.no_grad()
     def _fetch(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self._pending is None and self.copy_stream is not None:
-            self.prefetch()  # not prefetched (head_prefetch=False, the backward's copy): on the copy stream too
-        if self._pending is not None:
-            self.prefetch()  # the pieces not queued yet (a forward that skipped layers)
+        if self.copy_stream is not None:
+            # What is not queued yet: all of it (head_prefetch=False, the backward's copy) or the pieces a forward
+            # that skipped layers left; on the copy stream either way (Note: [the head's own memory]).
+            self.prefetch()
             dev, ready = self._pending
         else:
             dev, ready = self._copy_now(), None

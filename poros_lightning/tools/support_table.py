@@ -74,7 +74,7 @@ def _bench(repo: Path, model: str) -> dict[str, str]:
                     if planned and budget
                     else f" ({_card(row)})"
                 )
-            elif label not in found and row is not None:  # a run of the plan alone: no ratio to give
+            elif label not in found and row is not None:
                 ratio = f" ({row['s_per_step'] / ref['s_per_step']:.2f}x)" if ref else " (no resident_gc in its run)"
                 found[label] = f"{row['s_per_step']:.3f} s{ratio}, {row['peak_vram_gb']:.1f} GB, {_card(row)}"
         if ref is not None:
