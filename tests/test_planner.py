@@ -234,6 +234,26 @@ def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
     )
 
 
+
+def test_a_layers_forward_grows_with_its_tokens():
+    """The layer forward the planner compares a block's copy with: the launch floor, or the layer's matmuls."""
+    from poros_lightning.arch.known import known_config
+    from poros_lightning.memory.planner import LAYER_FLOPS, LAYER_FORWARD_S, layer_forward_s, plan_engine, plan_memory
+
+    cfg = known_config("Qwen/Qwen2.5-32B")
+    short, long = plan_memory(cfg, seq_len=512), plan_memory(cfg, seq_len=2048)
+    assert layer_forward_s(short) == LAYER_FORWARD_S  # 0.5 TFLOP per layer: the host's launches bound it
+    # 2 x 0.49 B weights x 2048 tokens: about 7.1 ms, measured 6.7 ms on the H100 (planner_sweep.jsonl)
+    assert long.layer_forward_flops == 2 * 2048 * (5120 * (5120 + 1024 + 1024 + 5120) + 3 * 5120 * 27648)
+    assert 6.5e-3 < layer_forward_s(long) == long.layer_forward_flops / LAYER_FLOPS < 7.2e-3
+    # block-major micro-batches pass through a block in one forward: all their tokens count
+    assert plan_memory(cfg, seq_len=512, micro_batches=4).layer_forward_flops == long.layer_forward_flops
+    # a 252 MB block copies in 4.6 ms at 55 GB/s: link-bound at seq 512, hidden at seq 2048
+    assert plan_engine(cfg, "16GB", link_gbps=55).resident_blocks > 0
+    plan = plan_engine(cfg, "16GB", link_gbps=55, seq_len=2048)
+    assert (plan.resident_blocks, plan.keep_activations) == (0, 2)
+    assert any("within a layer's forward (about 7 ms)" in line for line in plan.explanation)
+
 def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     from poros_lightning.arch.known import known_config
     from poros_lightning.memory.planner import plan_engine

@@ -84,6 +84,9 @@ class MemoryPlan:
         micro_batches: block-major micro-batches of ``batch_size`` per step the plan is for.
         dequant_bytes: the largest linear weight of the layers dequantized to bf16 (what bitsandbytes builds for
             one matmul).
+        layer_forward_flops: the largest decoder layer's linear layers in one block's forward, ``2 x weights x
+            tokens`` of all ``micro_batches`` (attention scores and LoRA left out): what the planner times a
+            layer's forward by.
     """
 
     model_type: str
@@ -121,6 +124,7 @@ class MemoryPlan:
     logits_bytes: int = 0
     micro_batches: int = 1
     dequant_bytes: int = 0
+    layer_forward_flops: int = 0
 
 
 HEADROOM = 0.10
@@ -375,4 +379,5 @@ def plan_memory(
         logits_bytes=logits_all,
         micro_batches=micro_batches,
         dequant_bytes=BF16 * largest_weight,
+        layer_forward_flops=2 * micro_batches * tokens * max(x.linear_weight_params for x in shapes.layers),
     )

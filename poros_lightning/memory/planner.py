@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_LINK_GBPS",
     "EnginePlan",
     "HEADROOM",
+    "LAYER_FLOPS",
     "LAYER_FORWARD_S",
     "LORA_BYTES_PER_PARAM",
     "MemoryPlan",
@@ -46,7 +47,21 @@ consumer cards' (``poros-lightning doctor`` measures it; the H200's Gen5 link gi
 LAYER_FORWARD_S = 4e-3
 """About how long a decoder layer's forward takes to issue: some 100 kernel launches at about 40 us of host time
 each (the resident Qwen2.5-72B forward on the H200: 8191 kernels in 0.30-0.53 s, docs/benchmarks/qwen2.5-72b.jsonl).
-A streamed layer whose copy takes longer than this is bound by the link (Note: [link-bound layers])."""
+The floor of :func:`layer_forward_s`: a layer's forward over few tokens waits on the host, not the matmuls."""
+LAYER_FLOPS = 280e12
+"""Floating-point operations per second of a layer's NF4 linear layers (dequantize, bf16 matmul) over many tokens:
+about 280 TFLOP/s on the H100 and H200 (Qwen2.5-32B at seq 2048: 6.7 ms per layer; 7B at 4 x 4 x 2048 tokens:
+55.8 ms, docs/benchmarks/planner_sweep.jsonl and recipes.jsonl). A smaller card computes more slowly, so its
+copies hide sooner than this assumes; its tuner reads the real time from the second step (engine/tuner.py)."""
+
+
+def layer_forward_s(plan: MemoryPlan) -> float:
+    """About how long one block's forward through its largest layer takes: the launch floor
+    (:data:`LAYER_FORWARD_S`) or the matmuls at :data:`LAYER_FLOPS`, whichever is longer.
+
+    A streamed layer whose copy takes longer than this is bound by the link (Note: [link-bound layers]).
+    """
+    return max(LAYER_FORWARD_S, plan.layer_forward_flops / LAYER_FLOPS)
 
 
 @dataclass(frozen=True)
@@ -149,7 +164,7 @@ def plan_engine(
     over the model, copied once: two copies fewer each per step) pay where the link bounds the step; kept
     activations (``keep_activations``: the last layers skip their recompute, one layer forward fewer each per
     step) pay where compute or kernel launches bound it. When a block's copy at ``link_gbps`` (default
-    :data:`DEFAULT_LINK_GBPS`) takes longer than a layer's forward (:data:`LAYER_FORWARD_S`), the layers are
+    :data:`DEFAULT_LINK_GBPS`) takes longer than a layer's forward (:func:`layer_forward_s`), the layers are
     link-bound and resident blocks come first, kept activations from what is left; otherwise kept activations
     come first, resident blocks from what is left (every layer kept, or less than one more layer's
     activations). ``keep_activations=False``, and models whose layers share keys and values (which cannot keep
@@ -281,15 +296,16 @@ def plan_engine(
         keep_activations = False  # refused by prepare(): a later layer's backward reads an earlier layer's K/V
     gbps = float(link_gbps) if link_gbps else DEFAULT_LINK_GBPS
     copy_s = plan.per_block_bytes / (gbps * 1e9)
-    link_bound = copy_s > LAYER_FORWARD_S
+    forward_s = layer_forward_s(plan)
+    link_bound = copy_s > forward_s
     resident = 0
     if keep_activations and spare > 0:
         why.append(
             f"a block copies in {copy_s * 1e3:.1f} ms at {gbps:.1f} GB/s, "
             + (
-                f"longer than a layer's forward (about {LAYER_FORWARD_S * 1e3:.0f} ms): resident blocks first"
+                f"longer than a layer's forward (about {forward_s * 1e3:.0f} ms): resident blocks first"
                 if link_bound
-                else f"within a layer's forward (about {LAYER_FORWARD_S * 1e3:.0f} ms): kept activations first"
+                else f"within a layer's forward (about {forward_s * 1e3:.0f} ms): kept activations first"
             )
         )
 
