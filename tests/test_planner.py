@@ -234,7 +234,6 @@ def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
     )
 
 
-
 def test_a_layers_forward_grows_with_its_tokens():
     """The layer forward the planner compares a block's copy with: the launch floor, or the layer's matmuls."""
     from poros_lightning.arch.known import known_config
@@ -253,6 +252,7 @@ def test_a_layers_forward_grows_with_its_tokens():
     plan = plan_engine(cfg, "16GB", link_gbps=55, seq_len=2048)
     assert (plan.resident_blocks, plan.keep_activations) == (0, 2)
     assert any("within a layer's forward (about 7 ms)" in line for line in plan.explanation)
+
 
 def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     from poros_lightning.arch.known import known_config
