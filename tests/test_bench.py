@@ -55,7 +55,7 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
             },
             {"method": "poros", "name": "poros_planned", "vram_budget": "4GB"},
             {"method": "poros", "name": "poros_keep", "keep_activations": 4},
-            {"method": "poros", "name": "poros_min_plan", "vram_budget": "min"},
+            {"method": "poros", "name": "poros_min_plan", "vram_budget": "min", "resident_blocks": 1},
         ],
         "out": str(tmp_path / "bench.jsonl"),
     }
@@ -73,6 +73,11 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
     smallest = rows["poros_min_plan"]
     assert 0 < smallest["planned_peak_gb"] <= smallest["vram_budget"] < 4.0
     assert smallest["optimizer_on_host"] and any("host memory" in line for line in smallest["plan"])
+    # an option the run sets wins over the plan's choice, as in PorosStrategy, and the plan's lines say so
+    assert (
+        smallest["resident_blocks"] == 1
+        and smallest["plan"][-1] == "resident_blocks=1 set explicitly (the plan chose 0)"
+    )
     assert all(r["s_per_step"] > 0 and not r["oom"] for r in rows.values())
     assert all(0 < r["host_issue_s_per_step"] <= r["s_per_step"] for r in rows.values())
     for r in rows.values():  # the host's clock splits the issuing into the step's three phases

@@ -214,6 +214,7 @@ def bench_methods(
         if run.get("vram_budget") is not None:
             from poros_lightning.errors import PorosOOMError
             from poros_lightning.memory.budget import minimum_budget
+            from poros_lightning.memory.options import resolve
             from poros_lightning.memory.planner import parse_bytes, plan_engine
 
             # Block-major: the planner counts every micro-batch's layer inputs, a recompute one micro-batch's.
@@ -232,10 +233,13 @@ def bench_methods(
                 smallest = minimum_budget(full, **planning)
                 refusal = {"refused": True, "min_budget_gb": smallest / 1e9, "refusal": err.problem}
             else:
-                engine_opts.update(plan.engine_kwargs())
-                optimizer_on_host = plan.optimizer_on_host
+                # Options the run sets win over the plan's, as they do in PorosStrategy; the plan's lines name them.
+                explicit = {**engine_opts, "optimizer_on_host": run.get("optimizer_on_host")}
+                chosen, notes = resolve(explicit, plan.options())
+                engine_opts = {k: chosen[k] for k in plan.engine_kwargs()}
+                optimizer_on_host = bool(chosen["optimizer_on_host"])
                 memory_cap = memory_cap or budget / 1e9
-                planned.update(planned_peak_gb=plan.vram_estimate / 1e9, plan=list(plan.explanation))
+                planned.update(planned_peak_gb=plan.vram_estimate / 1e9, plan=[*plan.explanation, *notes])
         row: dict[str, Any] = {
             "method": run.get("name", method),
             "base_method": method,
