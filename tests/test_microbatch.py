@@ -75,6 +75,27 @@ def test_each_micro_batch_of_a_layer_is_recomputed_on_its_own(monkeypatch: pytes
     assert rows == [B] * (4 * K)  # 4 layers, each recomputed once per micro-batch of B rows
 
 
+def test_a_parameters_gradients_are_summed_when_its_last_one_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note: [a parameter's sum when its last gradient arrives]: the store holds one layer's k gradients at a time."""
+    import poros_lightning.engine.microbatch as mb
+
+    most: list[int] = []
+    keep = mb.MicroBatches.add_into_grad
+
+    def counting(self, p):  # noqa: ANN001, ANN202
+        most.append(len(self.store))
+        keep(self, p)
+
+    monkeypatch.setattr(mb.MicroBatches, "add_into_grad", counting)
+    ref, _ = _layer_major()
+    got, _ = _block_major()
+    assert all(torch.equal(ref[n], got[n]) for n in ref)  # the same additions, in the same order
+    trained = len(ref)
+    per_layer = trained // 4  # the tiny model's 4 decoder layers, LoRA A and B on each linear layer
+    # summed as each parameter's last capture runs: never the k gradients of every parameter at once
+    assert most and max(most) <= K * per_layer < K * trained, (max(most), K * trained)
+
+
 def test_block_major_with_the_head_in_host_memory() -> None:
     """The head's weight is copied in per use; each micro-batch's backward unpacks its own copy."""
     ref, _ = _layer_major()

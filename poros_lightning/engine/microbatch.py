@@ -19,6 +19,17 @@ Note: [ordered gradient sum]
     the stored gradients into ``.grad`` in micro-batch order, ``grad = g_1``, ``grad += g_2``, ...,
     exactly the additions layer-major accumulation performs.
 
+Note: [a parameter's sum when its last gradient arrives]
+    Stored until the backward ends, the gradients would hold ``k`` copies of every trainable parameter's
+    gradient at once: 15 x 537 MB at Qwen2.5-32B (LoRA r16, 16 micro-batches), the 8.2 GB by which the
+    smallest block-major plans exceeded their estimates on the H100 (``poros_min_bm16_uncapped`` in
+    docs/benchmarks/recipes.jsonl). Each parameter's sum depends on that parameter's gradients only, so the
+    forward counts the captures it makes of each parameter, and the backward adds a parameter's gradients into
+    ``.grad`` (the same additions, in the same order) as soon as its last capture has run: a decoder layer's
+    gradients are summed when its backward is done, and the store holds ``k`` gradients of one layer at a time.
+    A capture whose backward never runs (a parameter without a gradient in this graph) leaves its parameter to
+    the end of the backward, as before.
+
 Note: [dropout in block-major order] is in :mod:`poros_lightning.engine.dropout_replay`: on CUDA each
     (micro-batch, layer) draws where layer-major accumulation draws.
 
@@ -130,6 +141,11 @@ class _Capture(torch.autograd.Function):
             store[ctx.key] = store[ctx.key] + grad
         else:
             store[ctx.key] = grad
+        pid = ctx.key[0]
+        left = splitter.pending.get(pid, 0) - 1
+        splitter.pending[pid] = left
+        if left == 0:  # Note: [a parameter's sum when its last gradient arrives]
+            splitter.add_into_grad(splitter._by_id[pid])
         return None, None, None
 
 
@@ -165,6 +181,8 @@ class MicroBatches:
         self.base, self.modules, self.k = base, modules, k
         self.params: list[nn.Parameter] = []
         self.store: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending: dict[int, int] = {}  # parameter id -> captures made and not yet differentiated
+        self._by_id: dict[int, nn.Parameter] = {}
         self.fault: str | None = None  # "reversed_sum": negative control for the tests only
         self.queued = False
         self.micro_size: int | None = None  # rows per micro-batch; set from the loader (or the first batch)
@@ -183,6 +201,7 @@ class MicroBatches:
                 if p.requires_grad and id(p) not in owned:
                     owned.add(id(p))
                     self.params.append(p)
+                    self._by_id[id(p)] = p
         stray = [n for n, p in base.named_parameters() if p.requires_grad and id(p) not in owned]
         if stray:
             raise PorosConfigError(
@@ -210,6 +229,7 @@ class MicroBatches:
                 module.forward = previous
         self._saved = []
         self.store.clear()
+        self.pending.clear()
         if self.replay is not None:
             self.replay.current = None
         self.base.__dict__.pop(_ATTR, None)
@@ -224,6 +244,7 @@ class MicroBatches:
                     if p is not None and p.requires_grad:
                         del owner._parameters[name]
                         setattr(owner, name, _Capture.apply(p, self, (id(p), chunk)))
+                        self.pending[id(p)] = self.pending.get(id(p), 0) + 1
                         swapped.append((owner, name, p))
             yield
         finally:
@@ -321,21 +342,27 @@ class MicroBatches:
     def accumulate(self) -> None:
         """Add the captured per-micro-batch gradients into ``.grad``, in micro-batch order. Note: [ordered gradient sum]."""
         self.queued = False
+        self.pending.clear()  # a forward whose graph was not differentiated leaves no count behind
         if self.replay is not None:
             self.replay.finish()
         if not self.store:
             return
-        order = range(self.k - 1, -1, -1) if self.fault == "reversed_sum" else range(self.k)
         for p in self.params:
-            for i in order:
-                g = self.store.pop((id(p), i), None)
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad += g
+            self.add_into_grad(p)
         self.store.clear()
+
+    @torch.no_grad()
+    def add_into_grad(self, p: nn.Parameter) -> None:
+        """Add ``p``'s stored gradients into ``p.grad`` in micro-batch order, and drop them."""
+        order = range(self.k - 1, -1, -1) if self.fault == "reversed_sum" else range(self.k)
+        for i in order:
+            g = self.store.pop((id(p), i), None)
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

@@ -318,7 +318,14 @@ def plan_memory(
     k = micro_batches
     boundary_all = k * boundary
     logits_all = min(k * tokens, loss_chunk_tokens or k * tokens) * vocab * (BF16 + 4 + 4)
-    common_all = BF16 * largest_weight + 2 * boundary_all + logits_all
+    # Block-major: a layer's LoRA gradients of all k micro-batches wait for their ordered sum (Note: [a parameter's
+    # sum when its last gradient arrives] in engine.microbatch), fp32.
+    layer_lora = max(
+        lora_r * sum(lin.in_features + lin.out_features for lin in x.linears if lin.name in targets)
+        for x in shapes.layers
+    )
+    grad_store = 4 * k * layer_lora if k > 1 else 0
+    common_all = BF16 * largest_weight + 2 * boundary_all + logits_all + grad_store
 
     def streamed(bs: int) -> tuple[int, int, int]:
         starts = range(0, n, bs)
