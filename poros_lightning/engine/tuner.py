@@ -16,10 +16,10 @@ Note: [measured plans]
       copy shorter than 90% of a block's forward is hidden behind compute or kernel launches: resident blocks
       then save nothing, and their memory goes to kept activations (one layer's recompute fewer each; half as
       many while the bytes per layer are estimated). A copy as long as the forward bounds the step: kept
-      activations' memory goes to resident blocks (two copies fewer each). The planner's starting point assumes
-      a layer forward from its tokens (``memory.planner.layer_forward_s``); this is where the card's own numbers replace it (at Qwen2.5-32B on
-      the H200, a 252 MB block copied in 4.7 ms against a 5.4 ms layer forward: the copies were hidden, and the
-      planned resident blocks bought nothing);
+      activations' memory goes to resident blocks (two copies fewer each). The planner's starting point
+      estimates a layer forward from its tokens (``memory.planner.layer_forward_s``); this is where the card's
+      own numbers replace it (at Qwen2.5-32B on the H200, a 252 MB block copied in 4.7 ms against a 5.4 ms
+      layer forward: the copies were hidden, and the planned resident blocks bought nothing);
     - room for at least one more layer's activations (measured per layer once two plans have run): keep
       that many more, if the step got no slower than the fastest measured plan (3% for noise); while the bytes
       per layer are still the planner's estimate, only half as many (an estimate that was low for a family

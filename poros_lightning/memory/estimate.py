@@ -303,9 +303,11 @@ def plan_memory(
     resident = BF16 * resident_params + sum(
         quantized_weight_bytes(lin.weight_numel, quantization) for lin in shapes.outside_linears
     )
-    lora_params = lora_r * sum(
-        lin.in_features + lin.out_features for x in shapes.layers for lin in x.linears if lin.name in targets
-    )
+    layer_lora = [
+        lora_r * sum(lin.in_features + lin.out_features for lin in x.linears if lin.name in targets)
+        for x in shapes.layers
+    ]
+    lora_params = sum(layer_lora)
     lora = LORA_BYTES_PER_PARAM * lora_params
 
     boundary = tokens * hidden * BF16  # one hidden-state tensor
@@ -320,11 +322,7 @@ def plan_memory(
     logits_all = min(k * tokens, loss_chunk_tokens or k * tokens) * vocab * (BF16 + 4 + 4)
     # Block-major: a layer's LoRA gradients of all k micro-batches wait for their ordered sum (Note: [a parameter's
     # sum when its last gradient arrives] in engine.microbatch), fp32.
-    layer_lora = max(
-        lora_r * sum(lin.in_features + lin.out_features for lin in x.linears if lin.name in targets)
-        for x in shapes.layers
-    )
-    grad_store = 4 * k * layer_lora if k > 1 else 0
+    grad_store = 4 * k * max(layer_lora) if k > 1 else 0
     common_all = BF16 * largest_weight + 2 * boundary_all + logits_all + grad_store
 
     def streamed(bs: int) -> tuple[int, int, int]:
