@@ -667,7 +667,7 @@ def test_the_link_probe_gives_its_buffer_back(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: calls.append(s))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: calls.append(s), raising=False)
     monkeypatch.setattr(torch, "empty", lambda n, dtype=None, **kw: real_empty(n, dtype=dtype))  # on the CPU
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert measure_h2d(nbytes=1 << 10, repeats=1) > 0

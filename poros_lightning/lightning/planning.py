@@ -46,6 +46,14 @@ def device_budget(value: str | int | None, device: torch.device) -> int | None:
     return parse_bytes(value)
 
 
+def _set_allocator_settings(settings: str) -> None:
+    """The caching allocator's runtime settings: the accelerator-wide call where torch has it (2.10+), else CUDA's."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
+
+
 def use_expandable_segments(device: torch.device, log: logging.Logger) -> bool:
     """Let the caching allocator grow segments in place (less fragmentation) unless the user configured it.
 
@@ -58,7 +66,7 @@ def use_expandable_segments(device: torch.device, log: logging.Logger) -> bool:
 
     if device.type != "cuda" or "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    _set_allocator_settings("expandable_segments:True")
     torch.cuda.empty_cache()  # free fixed segments cached so far go back: no later tensor splits them
     log.info("poros plan: the CUDA caching allocator uses expandable segments (set PYTORCH_CUDA_ALLOC_CONF to choose)")
     return True
