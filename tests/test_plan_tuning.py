@@ -129,16 +129,22 @@ def _drive(tuner: PlanTuner, steps: list[tuple[float, int, int, int]]) -> None:
 
 
 def test_tuner_shrinks_a_plan_over_its_budget_and_never_grows_past_it() -> None:
+    lines: list[str] = []
     tuner = _tuner(keep=20)
+    tuner.log = lines.append
     _drive(tuner, [(1.0, 10 * GB, 11 * GB, 0), (1.0, 8 * GB, 8 * GB, 0)])
     assert tuner.keep == 20 - 3  # 1 GB over at half a GB a layer: two layers, plus one
     assert tuner.done
+    assert "11.00 GB reserved of 10.00 GB: over the budget: 17 layers keep activations" in lines[0]
 
 
 def test_tuner_shrinks_on_an_allocator_retry() -> None:
+    lines: list[str] = []
     tuner = _tuner(keep=10)
+    tuner.log = lines.append
     _drive(tuner, [(1.0, 8 * GB, 9 * GB, 2)])
     assert tuner.keep == 9
+    assert "9.00 GB reserved of 10.00 GB: 2 allocations retried at the budget" in lines[-1]
 
 
 def test_tuner_goes_back_to_the_fastest_plan() -> None:

@@ -236,9 +236,13 @@ class PlanTuner:
             resident = self.resident
             if drop > self.keep and self.resident and self.block_bytes:  # no kept layer left to drop
                 resident = max(self.resident - math.ceil((drop - self.keep) * per_layer / self.block_bytes), 0)
+            why = (
+                "over the budget"
+                if last.peak_reserved > self.budget
+                else f"{last.retries} allocations retried at the budget (the allocator emptied its cache to fit)"
+            )
             self._apply(
-                self.keep - drop, f"over the budget: {self._ceiling} layers keep activations, {resident} resident blocks",
-                resident,
+                self.keep - drop, f"{why}: {self._ceiling} layers keep activations, {resident} resident blocks", resident
             )  # fmt: skip
             if (self.keep == 0 and self.resident == 0) or len(self.history) >= self.steps:
                 self.done = True
