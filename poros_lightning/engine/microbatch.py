@@ -183,6 +183,7 @@ class MicroBatches:
         self.store: dict[tuple[int, int], torch.Tensor] = {}
         self.pending: dict[int, int] = {}  # parameter id -> captures made and not yet differentiated
         self._by_id: dict[int, nn.Parameter] = {}
+        self._trainable: dict[int, list[tuple[nn.Module, str]]] = {}  # module id -> (owner, name); per backward
         self.fault: str | None = None  # "reversed_sum": negative control for the tests only
         self.queued = False
         self.micro_size: int | None = None  # rows per micro-batch; set from the loader (or the first batch)
@@ -230,6 +231,7 @@ class MicroBatches:
         self._saved = []
         self.store.clear()
         self.pending.clear()
+        self._trainable.clear()
         if self.replay is not None:
             self.replay.current = None
         self.base.__dict__.pop(_ATTR, None)
@@ -237,19 +239,29 @@ class MicroBatches:
     @contextlib.contextmanager
     def _captured(self, module: nn.Module, chunk: int) -> Iterator[None]:
         """Inside ``module``, every trainable parameter is read through a :class:`_Capture` of ``chunk``."""
+        # This runs for every layer and micro-batch, on the host, which one-sample micro-batches keep busy: the walk
+        # is made once per backward, and the swap writes the module dicts that nn.Module's __setattr__ / __delattr__
+        # would (a non-parameter tensor lands in __dict__), without their checks.
+        found = self._trainable.get(id(module))
+        if found is None:
+            found = [
+                (owner, name)
+                for owner in module.modules()
+                for name, p in owner._parameters.items()
+                if p is not None and p.requires_grad
+            ]
+            self._trainable[id(module)] = found
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         try:
-            for owner in module.modules():
-                for name, p in list(owner._parameters.items()):
-                    if p is not None and p.requires_grad:
-                        del owner._parameters[name]
-                        setattr(owner, name, _Capture.apply(p, self, (id(p), chunk)))
-                        self.pending[id(p)] = self.pending.get(id(p), 0) + 1
-                        swapped.append((owner, name, p))
+            for owner, name in found:
+                p = owner._parameters.pop(name)
+                owner.__dict__[name] = _Capture.apply(p, self, (id(p), chunk))
+                self.pending[id(p)] = self.pending.get(id(p), 0) + 1
+                swapped.append((owner, name, p))
             yield
         finally:
             for owner, name, p in swapped:
-                delattr(owner, name)
+                del owner.__dict__[name]
                 owner._parameters[name] = p
 
     @contextlib.contextmanager
@@ -343,6 +355,7 @@ class MicroBatches:
         """Add the captured per-micro-batch gradients into ``.grad``, in micro-batch order. Note: [ordered gradient sum]."""
         self.queued = False
         self.pending.clear()  # a forward whose graph was not differentiated leaves no count behind
+        self._trainable.clear()  # the next forward walks the modules again (requires_grad may change between steps)
         if self.replay is not None:
             self.replay.finish()
         if not self.store:
