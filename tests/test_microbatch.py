@@ -194,3 +194,22 @@ def test_bad_values_are_refused() -> None:
         with torch.enable_grad():
             model(input_ids=IDS, use_cache=False)
     L.seed_everything(0, verbose=False)
+
+
+def test_block_major_copies_the_host_optimizer_state_in_after_the_backward(tmp_path) -> None:
+    """With the moments in host memory, block-major copies them in after the backward, not during its last
+    quarter, which holds every micro-batch's gradients (Note: [when the state moves]): still exact."""
+    ref = make_module(lora_dropout=0.0)
+    trainer(tmp_path, max_steps=2, strategy=SingleDeviceStrategy("cpu"), accumulate_grad_batches=2).fit(
+        ref, random_batches(n=8, batch_size=2)
+    )
+    got = make_module(lora_dropout=0.0)
+    strategy = PorosStrategy(device="cpu", micro_batches=2, optimizer_on_host=True)
+    trainer(tmp_path, max_steps=2, strategy=strategy).fit(got, random_batches(n=8, batch_size=4))
+    a, b = adapter_tensors(ref), adapter_tensors(got)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    precision = strategy.precision_plugin
+    assert precision.optimizer_on_host and not precision.optimizer_prefetch
+    (host,) = precision._host_states.values()
+    assert host._trigger is None and host.prefetches == 0
+    assert PorosStrategy(device="cpu", optimizer_on_host=True).precision_plugin.optimizer_prefetch

@@ -400,3 +400,31 @@ def test_block_major_micro_batches_keep_every_input_and_recompute_one_micro_batc
     }
     assert format_bytes(smallest["Qwen/Qwen2.5-7B"]) == "3.17 GB"  # 2.54 GB usable: 0.62 GB of logits headroom
     assert format_bytes(smallest["Qwen/Qwen2.5-72B"]) == "7.10 GB"
+
+
+def test_the_backward_tail_counts_what_a_layer_backward_holds():
+    """With the moments in host memory, the plan also prices the backward's last quarter: sample-major the moments
+    come in there, beside the adapter, its gradient, one layer's recompute and backward (the dequantized weight,
+    the boundary gradients) and the inputs of the layers still to recompute; block-major they come in after the
+    backward (Note: [when the state moves]), whose last quarter holds every micro-batch's gradients."""
+    from poros_lightning.memory.planner import plan_engine
+
+    cfg = known_config("Qwen/Qwen2.5-72B")
+    kw = dict(seq_len=4096, batch_size=4, micro_batches=4, loss_chunk_tokens=1024)
+    plan = plan_memory(cfg, block_size=1, prefetch=1, **kw)
+    assert plan.boundary_bytes == 16 * 4096 * 8192 * 2
+    assert plan.backward_extra_bytes == plan.dequant_bytes + 2 * plan.boundary_bytes + 4 * 4 * 16 * (
+        2 * 8192 + 2 * (8192 + 1024) + 2 * 8192 + 3 * (8192 + 29568)
+    )
+    smallest = minimum_budget(cfg, **kw)
+    tight = plan_engine(cfg, smallest, **kw)
+    assert tight.optimizer_on_host and tight.inputs_on_host
+    moments = plan.lora_params * 8
+    tail = (
+        plan.slots * plan.per_block_bytes + plan.lora_bytes - moments + plan.recompute_layer_bytes
+        + plan.backward_extra_bytes + 2 * plan.boundary_bytes
+    )  # fmt: skip
+    table = 152064 * 8192 * 2  # embeddings and head, both in host memory: the tail is this plan's peak
+    assert tight.embeddings_on_host and tight.head_on_host
+    assert tight.vram_estimate == tail + plan.resident_bytes - 2 * table
+    assert tight.vram_estimate <= smallest - headroom_for(smallest, plan.logits_bytes, plan.dequant_bytes)

@@ -16,8 +16,16 @@ Note: [when the state moves]
       includes the moments; the backward's last quarter does (the gradients are mostly there by then, so
       this part of the step has the moments, the adapter and the gradients, as the update itself does).
       :meth:`to_device` makes the compute stream wait for the copies (an event; no host wait), or copies
-      on the compute stream when nothing was prefetched (the trigger's gradient never came, as under
-      block-major micro-batches, which write ``.grad`` after the backward).
+      on the compute stream when nothing was prefetched (the trigger's gradient never came, or
+      ``prefetch_at=None``).
+      Under block-major micro-batches the strategy passes ``prefetch_at=None``: there the backward's last
+      quarter also holds every micro-batch's boundary gradients and the per-micro-batch LoRA gradients that
+      wait for their ordered sum, and the moments beside them made that part of the step the peak. At
+      Qwen2.5-32B and 72B, 16 micro-batches x 512 tokens, the minimum plans peaked 0.31 and 0.41 GB above
+      their estimates there (docs/benchmarks/recipes.jsonl, runs ``2026-12-06T19:45:30`` and ``20:21:41``:
+      ``peak_forward_backward_gb`` above the first, unprefetched step's ``tuned`` peak). Copied after the
+      backward instead, the moments wait on the link once per step (1.1 GB at 32B, some 20 ms at 55 GB/s)
+      in a step k times as long as one micro-batch's.
     - **Out, after the update.** :meth:`to_host` queues the copy into pinned host memory on a second
       side stream (the other copy direction: it overlaps the next forward's block copies), marks the
       device memory as used there so the allocator does not reuse it mid-copy, and points the state at

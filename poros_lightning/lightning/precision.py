@@ -47,10 +47,17 @@ class PorosPrecision(Precision):
             bitsandbytes is streamed as it is.
         optimizer_on_host: keep the optimizer's per-parameter state in host memory between steps
             (:class:`~poros_lightning.engine.optim_state.HostOptimizerState`; exact, Note: [when the state moves]).
+        optimizer_prefetch: with ``optimizer_on_host``, copy the state in during the backward's last quarter
+            (hidden behind it); ``False``: copy it in after the backward. The strategy turns it off under
+            block-major micro-batches, whose backward holds every micro-batch's gradients.
     """
 
     def __init__(
-        self, precision: str = "32-true", quantization: str = "nf4-dq", optimizer_on_host: bool = False
+        self,
+        precision: str = "32-true",
+        quantization: str = "nf4-dq",
+        optimizer_on_host: bool = False,
+        optimizer_prefetch: bool = True,
     ) -> None:
         if precision not in _DTYPES:
             raise PorosConfigError(
@@ -60,6 +67,7 @@ class PorosPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.quantization = quant.check_quantization(quantization)
         self.optimizer_on_host = optimizer_on_host
+        self.optimizer_prefetch = optimizer_prefetch
         self._host_states: dict[int, HostOptimizerState] = {}
 
     @property
@@ -84,7 +92,8 @@ class PorosPrecision(Precision):
         inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
         host = self._host_states.get(id(inner))
         if host is None or host.optimizer is not inner:
-            host = self._host_states[id(inner)] = HostOptimizerState(inner)
+            prefetch_at = 0.25 if self.optimizer_prefetch else None  # Note: [when the state moves]
+            host = self._host_states[id(inner)] = HostOptimizerState(inner, prefetch_at=prefetch_at)
 
         def closure_then_state() -> Any:
             host.arm()  # the backward's last quarter copies the state in (Note: [when the state moves])

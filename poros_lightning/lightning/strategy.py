@@ -32,9 +32,12 @@ __all__ = ["PorosStrategy"]
 log = logging.getLogger(__name__)
 
 
-def _to_poros_precision(plugin: Precision, quantization: str, optimizer_on_host: bool = False) -> PorosPrecision:
+def _to_poros_precision(
+    plugin: Precision, quantization: str, optimizer_on_host: bool = False, micro_batches: int = 1
+) -> PorosPrecision:
     if isinstance(plugin, PorosPrecision):
         plugin.optimizer_on_host = plugin.optimizer_on_host or optimizer_on_host
+        plugin.optimizer_prefetch = micro_batches == 1  # Note: [when the state moves] in engine.optim_state
         return plugin
     name = type(plugin).__name__
     if name == "BitsandbytesPrecision":
@@ -43,7 +46,9 @@ def _to_poros_precision(plugin: Precision, quantization: str, optimizer_on_host:
             "Drop the plugin and set the mode with PorosStrategy(quantization='nf4-dq').",
         )
     flag = getattr(plugin, "precision", "32-true")
-    return PorosPrecision(str(flag), quantization=quantization, optimizer_on_host=optimizer_on_host)
+    return PorosPrecision(
+        str(flag), quantization=quantization, optimizer_on_host=optimizer_on_host, optimizer_prefetch=micro_batches == 1
+    )
 
 
 def nondeterminism(device: torch.device) -> str | None:
@@ -239,7 +244,9 @@ class PorosStrategy(SingleDeviceStrategy):
 
     def _convert_precision(self, plugin: Precision) -> PorosPrecision:
         quantization = getattr(self, "quantization", "nf4-dq")
-        return _to_poros_precision(plugin, quantization, getattr(self, "optimizer_on_host", False))
+        return _to_poros_precision(
+            plugin, quantization, getattr(self, "optimizer_on_host", False), getattr(self, "micro_batches", 1)
+        )
 
     def _peft_models(self) -> list[nn.Module]:
         assert self.model is not None

@@ -64,6 +64,10 @@ class MemoryPlan:
         activation_layer_bytes: estimate: what the largest decoder layer saves when it keeps its activations
             (``keep_activations``) instead of recomputing them.
         recompute_layer_bytes: estimate: what the largest decoder layer's recompute holds (one micro-batch).
+        backward_extra_bytes: what a layer's backward holds beside its recompute and the adapter: the dequantized
+            weight, the boundary gradients of every micro-batch and, block-major, the per-micro-batch LoRA
+            gradients that wait for their ordered sum.
+        boundary_bytes: one hidden state of every micro-batch (a layer's saved input, block-major: all k).
         streamed_vram_min: resident + LoRA + ``slots`` block slots + streamed activations.
         resident_vram: NF4 base + resident + LoRA + activations without checkpointing.
         resident_vram_gc: the same with gradient checkpointing.
@@ -125,6 +129,8 @@ class MemoryPlan:
     micro_batches: int = 1
     dequant_bytes: int = 0
     layer_forward_flops: int = 0
+    backward_extra_bytes: int = 0
+    boundary_bytes: int = 0
 
 
 HEADROOM = 0.10
@@ -384,5 +390,7 @@ def plan_memory(
         logits_bytes=logits_all,
         micro_batches=micro_batches,
         dequant_bytes=BF16 * largest_weight,
+        backward_extra_bytes=common_all - logits_all,
+        boundary_bytes=boundary_all,
         layer_forward_flops=2 * micro_batches * tokens * max(x.linear_weight_params for x in shapes.layers),
     )

@@ -205,14 +205,17 @@ def plan_engine(
         why.insert(
             0, f"LM head and loss in chunks of {loss_chunk_tokens} tokens: logits {format_bytes(plan.logits_bytes)}"
         )
-    embed_host = head_host = opt_host = False
+    embed_host = head_host = opt_host = inputs_host = False
     resident_left = plan.resident_bytes
+    # Sample-major, the moments come in during the backward's last quarter (Note: [when the state moves]), beside
+    # the adapter, its gradient, one layer's recompute and backward, and the inputs of the layers still to
+    # recompute; block-major, after the backward (its last quarter also holds every micro-batch's gradients).
+    tail_lora = plan.lora_bytes if micro_batches == 1 else plan.lora_bytes - moments
 
     def need() -> int:
         update = resident_left + slots + plan.lora_bytes + plan.lora_params * 4
-        # The moments come in during the backward's last quarter (Note: [when the state moves]), beside
-        # the adapter, its gradient and one layer's recompute.
-        tail = resident_left + slots + plan.lora_bytes + plan.recompute_layer_bytes
+        inputs_left = (2 if inputs_host else -(-plan.num_layers // 4)) * plan.boundary_bytes
+        tail = resident_left + slots + tail_lora + plan.recompute_layer_bytes + plan.backward_extra_bytes + inputs_left
         return max(fwd, update, tail) if opt_host else fwd
 
     if need() > usable and not tied:
@@ -244,7 +247,6 @@ def plan_engine(
             f"LM head in host memory (two head copies per step) saves {format_bytes(head_saves)}: {format_bytes(need())}"
         )
     inputs = plan.num_layers * tokens * int(text["hidden_size"]) * BF16  # one saved hidden state per layer
-    inputs_host = False
     if need() > usable:
         inputs_host = True
         fwd -= inputs

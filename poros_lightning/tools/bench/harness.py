@@ -331,6 +331,7 @@ def bench_methods(
                 accumulate=accumulate,
                 loss_chunk_tokens=loss_chunk,
                 optimizer=optimizer,
+                optimizer_prefetch=micro == 1,  # as PorosStrategy (Note: [when the state moves])
             )
             s_per_step = sum(times) / len(times)
             if tuner is not None:

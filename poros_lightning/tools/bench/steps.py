@@ -79,6 +79,7 @@ def step_loop(
     accumulate: int = 1,
     loss_chunk_tokens: int | None = None,
     optimizer: str = "adamw",
+    optimizer_prefetch: bool = True,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -86,7 +87,8 @@ def step_loop(
     (sample-major), and a model with block-major micro-batches installed runs it as those (module docstring).
     With ``accumulate > 1`` the ``forward`` phase holds every chunk's forward and backward, and ``backward`` is 0.
     ``optimizer``: ``"adamw"`` (``torch.optim.AdamW``) or ``"paged_adamw_8bit"`` (bitsandbytes' paged 8-bit AdamW,
-    the optimizer of the common resident QLoRA recipe; CUDA only).
+    the optimizer of the common resident QLoRA recipe; CUDA only). ``optimizer_prefetch=False`` copies the state of
+    ``optimizer_on_host`` in after the backward, as ``PorosStrategy`` does under block-major micro-batches.
     ``loss_chunk_tokens`` computes the LM head and the loss that many tokens at a time, as
     ``LoRALightningModule(loss_chunk_tokens=...)`` does (:func:`chunked_token_loss`): the full logits never exist.
 
@@ -118,7 +120,7 @@ def step_loop(
         opt = bnb.optim.PagedAdamW8bit(params, lr=1e-4)
     else:
         opt = torch.optim.AdamW(params, lr=1e-4)
-    host = HostOptimizerState(opt) if optimizer_on_host else None
+    host = HostOptimizerState(opt, prefetch_at=0.25 if optimizer_prefetch else None) if optimizer_on_host else None
     cuda = device == "cuda"
     phases = peaks if peaks is not None else {}
     phases.update(forward_backward=0, update=0, reserved=0)
