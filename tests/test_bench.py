@@ -674,3 +674,25 @@ def test_the_link_probe_gives_its_buffer_back(monkeypatch: pytest.MonkeyPatch) -
     assert calls == ["empty_cache"]
     assert use_expandable_segments(torch.device("cuda", 0), logging.getLogger("test"))
     assert calls == ["empty_cache", "expandable_segments:True", "empty_cache"]
+
+
+def test_the_estimate_ratio_prices_the_plan_each_step_ran() -> None:
+    """A tuner that grows a plan measures a larger peak than the starting plan's estimate: each measured step is
+    compared with its own plan's estimate, and the timed steps' plan with the row's peak when nothing larger ran."""
+    from poros_lightning.tools.bench.sweep import estimate_ratio
+
+    old = {"planned_peak_gb": 9.0, "peak_vram_gb": 10.0, "tuned": [{"peak_allocated_gb": 10.0}]}
+    assert estimate_ratio(old) == pytest.approx(0.9)  # rows without priced steps: the starting plan
+    grown = {
+        "planned_peak_gb": 9.0,
+        "peak_vram_gb": 10.2,
+        "final_planned_peak_gb": 11.0,
+        "tuned": [
+            {"planned_gb": 9.0, "peak_allocated_gb": 8.0},
+            {"planned_gb": 11.0, "peak_allocated_gb": 10.0},
+        ],
+    }
+    assert estimate_ratio(grown) == pytest.approx(11.0 / 10.2)  # the final plan against the timed steps' peak
+    fell_back = {**grown, "final_planned_peak_gb": 9.0}  # a larger plan ran: it may have set the row's peak
+    assert estimate_ratio(fell_back) == pytest.approx(11.0 / 10.0)  # the steps alone
+    assert estimate_ratio({"planned_peak_gb": None, "peak_vram_gb": 3.0}) is None

@@ -136,6 +136,8 @@ def bench_methods(
     and the smallest budget it accepts, ``min_budget_gb``, without running; the warm-up steps then fit the plan
     to the card, engine/tuner.py, unless ``tune: false``; ``trade: false`` keeps the planned resident blocks).
     Either way the next run goes on. Every row has ``vram_budget`` (GB, or None), ``planned_peak_gb`` (the plan's estimate, or None),
+    and a tuned row ``final_planned_peak_gb`` (the estimate of the plan the tuner settled on; each ``tuned`` step
+    carries its own plan's, ``planned_gb``, beside its measured ``peak_allocated_gb``),
     ``refused``, ``oom`` and ``s_per_step`` (None when nothing ran); a planned row also has the planner's
     reasoning (``plan``) beside the engine options it chose (the row's option fields). ``compile_layers``:
     every run computes with each decoder layer under ``torch.compile``
@@ -208,6 +210,7 @@ def bench_methods(
         effective_batch = batch_size * accumulate * micro
         memory_cap = run.get("memory_cap_gb")
         planned: dict[str, Any] = {"vram_budget": None, "planned_peak_gb": None}
+        plan = None
         refusal: dict[str, Any] | None = None
         if optimizer == "paged_adamw_8bit" and device != "cuda":  # an answer, recorded as a row
             refusal = {"refused": True, "refusal": "paged_adamw_8bit pages its state through CUDA memory: CUDA only"}
@@ -335,9 +338,13 @@ def bench_methods(
             )
             s_per_step = sum(times) / len(times)
             if tuner is not None:
-                row.update(
-                    tuned=PlanTuner.summary(tuner.history), keep_activations=tuner.keep, resident_blocks=tuner.resident
-                )
+                tuned = PlanTuner.summary(tuner.history)
+                if plan is not None:  # each measured plan priced by the planner's model, beside its measured peak
+                    for entry in tuned:
+                        entry["planned_gb"] = _priced(plan, entry, engine.store.max_block_bytes)
+                    priced = {"keep_activations": tuner.keep, "resident_blocks": tuner.resident}
+                    row["final_planned_peak_gb"] = _priced(plan, priced, engine.store.max_block_bytes)
+                row.update(tuned=tuned, keep_activations=tuner.keep, resident_blocks=tuner.resident)
             if device == "cuda":
                 row["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) - retries0
             row.update(
@@ -413,3 +420,11 @@ def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+def _priced(plan: Any, tuned: dict[str, Any], block_bytes: int) -> float:
+    """The planner's estimate (GB) of ``plan`` with the kept layers and resident blocks a tuned step ran: the
+    estimate of the plan that step measured (``planned_peak_gb`` prices the plan the run started from)."""
+    kept = tuned["keep_activations"] - plan.keep_activations
+    resident = tuned["resident_blocks"] - plan.resident_blocks
+    return round((plan.vram_estimate + kept * plan.activation_layer_bytes + resident * block_bytes) / 1e9, 3)

@@ -109,12 +109,31 @@ def _points(group: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float | 
                 "planned_peak_gb": mean_of("planned_peak_gb"),
                 "peak_vram_gb": mean_of("peak_vram_gb"),
                 "peak_reserved_gb": mean_of("peak_reserved_gb"),
+                "estimate_ratio": min((x for x in map(estimate_ratio, runs) if x is not None), default=None),
                 "plan": _plan_summary(runs[0]),
                 "runs": len(runs),
             }
         )
     reference = _mean([r["s_per_step"] for r in group if _is_reference(r) and r.get("s_per_step") is not None])
     return points, reference
+
+
+def estimate_ratio(row: dict[str, Any]) -> float | None:
+    """The planner's estimate over the measured allocated peak, for the plans a row measured; the smallest ratio.
+
+    A tuned row prices each tuned step's own plan (``planned_gb`` beside that step's ``peak_allocated_gb``), and
+    the timed steps' plan (``final_planned_peak_gb`` against the row's peak) when no tuned step ran a larger plan
+    that could have set that peak. Older rows, and rows the tuner left alone, compare ``planned_peak_gb``."""
+    measured = row.get("peak_vram_gb")
+    tuned = [t for t in row.get("tuned") or [] if t.get("planned_gb") and t.get("peak_allocated_gb")]
+    if not tuned:
+        planned = row.get("planned_peak_gb")
+        return planned / measured if planned and measured else None
+    ratios = [t["planned_gb"] / t["peak_allocated_gb"] for t in tuned]
+    final = row.get("final_planned_peak_gb")
+    if final and measured and final >= max(t["planned_gb"] for t in tuned):
+        ratios.append(final / measured)
+    return min(ratios)
 
 
 def _fmt(value: float | None, unit: str = "") -> str:
@@ -225,7 +244,8 @@ def _svg(title: str, points: list[dict[str, Any]], reference: float | None) -> s
 
 def _table_rows(points: list[dict[str, Any]], reference: float | None) -> list[list[str]]:
     """One row of cells per budget. ``planned / allocated``: the plan's estimate over the measured allocated peak
-    (at least 1.0: the plan never under-predicts); ``x smaller budget``: s/step over that of the next smaller budget
+    (:func:`estimate_ratio`, the smallest over the plans the runs measured; at least 1.0: the plan never
+    under-predicts); ``x smaller budget``: s/step over that of the next smaller budget
     that ran (at most 1.03: a bigger budget is never slower)."""
     cells = []
     smaller: float | None = None
@@ -238,7 +258,7 @@ def _table_rows(points: list[dict[str, Any]], reference: float | None) -> list[l
             status = _fmt(p["s_per_step"])
         ratio = p["s_per_step"] / reference if reference and p["s_per_step"] is not None else None
         plan = "—" if p["refused"] else p["plan"]
-        estimate = p["planned_peak_gb"] / p["peak_vram_gb"] if p["planned_peak_gb"] and p["peak_vram_gb"] else None
+        estimate = p["estimate_ratio"]
         monotonic = p["s_per_step"] / smaller if smaller and p["s_per_step"] is not None else None
         smaller = p["s_per_step"] if p["s_per_step"] is not None else smaller
         cells.append(
