@@ -696,3 +696,39 @@ def test_the_estimate_ratio_prices_the_plan_each_step_ran() -> None:
     fell_back = {**grown, "final_planned_peak_gb": 9.0}  # a larger plan ran: it may have set the row's peak
     assert estimate_ratio(fell_back) == pytest.approx(11.0 / 10.0)  # the steps alone
     assert estimate_ratio({"planned_peak_gb": None, "peak_vram_gb": 3.0}) is None
+
+
+def test_estimates_price_every_measured_plan_with_todays_model(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """``bench report --estimates``: each tuned step's plan and the timed steps' plan, priced by plan_engine."""
+    import json
+
+    from poros_lightning.arch import known_config
+    from poros_lightning.memory.planner import plan_engine
+    from poros_lightning.tools.bench.cli import main
+    from poros_lightning.tools.bench.estimates import estimate_rows
+
+    plan = plan_engine(known_config("Qwen/Qwen2.5-7B"), int(16e9), seq_len=2048)
+    assert not plan.optimizer_on_host
+    block_mb = 117.0
+    row = {
+        "run_id": "2026-12-05T19:09:17-1", "gpu": "card", "model": "Qwen/Qwen2.5-7B (random init)", "scale": "7B",
+        "method": "poros_16GB",
+        "seq_len": 2048, "batch_size": 1, "lora_r": 16, "vram_budget": 16.0, "block_mb": block_mb,
+        "peak_vram_gb": 14.0, "keep_activations": plan.keep_activations + 2, "resident_blocks": plan.resident_blocks,
+        "tuned": [
+            {"keep_activations": plan.keep_activations, "resident_blocks": plan.resident_blocks, "peak_allocated_gb": 12.0},
+            {"keep_activations": plan.keep_activations + 2, "resident_blocks": plan.resident_blocks, "peak_allocated_gb": 13.5},
+        ],
+    }  # fmt: skip
+    other = {**row, "optimizer_on_host": True}  # another plan than today's for that budget: not priced
+    first, second, timed = estimate_rows([row, other, {**row, "vram_budget": None}])
+    assert first["estimate_gb"] == pytest.approx(plan.vram_estimate / 1e9)
+    grown = (plan.vram_estimate + 2 * plan.activation_layer_bytes) / 1e9
+    assert second["estimate_gb"] == timed["estimate_gb"] == pytest.approx(grown)
+    assert (first["measured_gb"], second["measured_gb"], timed["measured_gb"]) == (12.0, 13.5, 14.0)
+    assert timed["ratio"] == pytest.approx(grown / 14.0)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "run_id": "2026-12-01T00:00:00"}) + "\n")
+    main(["report", str(path), "-o", str(tmp_path / "r.html"), "--estimates", "--since", "2026-12-05"])
+    out = capsys.readouterr().out
+    assert "3 measured plans" in out and "2026-12-01" not in out

@@ -298,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument(
         "--profile", action="store_true", help="also print the per-phase profile of rows run with `bench run --profile`"
     )
+    rep.add_argument("--since", metavar="RUN_ID", help="keep rows whose run_id sorts at or after RUN_ID (a date)")
+    rep.add_argument(
+        "--estimates",
+        action="store_true",
+        help="also print every measured plan priced by this version's memory model beside its allocated peak",
+    )
     rep.add_argument(
         "--ratio-to",
         metavar="METHOD",
@@ -341,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             raise PorosConfigError(f"--where {cond!r} is not KEY=VALUE.", "Write e.g. --where initial_adapter=host.")
         rows = [r for r in rows if str(r.get(key)).lower() == value.lower()]
+    if args.since:
+        rows = [r for r in rows if str(r.get("run_id", "")) >= args.since]
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(render_html(rows))
     print(markdown_table(rows))
@@ -354,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print()
         print(profile_table(rows))
+    if args.estimates:
+        from poros_lightning.tools.bench.estimates import estimates_table
+
+        print()
+        print(estimates_table(rows))
     print(f"\nwrote {args.output}")
     return 0
 
