@@ -72,9 +72,10 @@ def estimate_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             "micro_batches": row.get("micro_batches") or 1,
             "budget_gb": budget,
         }
-        tuned = [t for t in row.get("tuned") or [] if "resident_blocks" in t and t.get("peak_allocated_gb")]
-        steps = [(t["keep_activations"], t["resident_blocks"], t["peak_allocated_gb"]) for t in tuned]
         final = (int(row.get("keep_activations") or 0), int(row.get("resident_blocks") or 0))
+        # Tuned steps without a resident count come from a tuner that moved kept layers only: the row's count.
+        tuned = [t for t in row.get("tuned") or [] if t.get("peak_allocated_gb")]
+        steps = [(t["keep_activations"], t.get("resident_blocks", final[1]), t["peak_allocated_gb"]) for t in tuned]
         if not steps or priced(*final) >= max(priced(k, r) for k, r, _ in steps):
             steps.append((*final, measured))
         for keep, resident, peak in steps:
