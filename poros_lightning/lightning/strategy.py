@@ -37,7 +37,7 @@ def _to_poros_precision(
 ) -> PorosPrecision:
     if isinstance(plugin, PorosPrecision):
         plugin.optimizer_on_host = plugin.optimizer_on_host or optimizer_on_host
-        plugin.optimizer_prefetch = micro_batches == 1  # Note: [when the state moves] in engine.optim_state
+        plugin.optimizer_prefetch = plugin.optimizer_prefetch and micro_batches == 1  # Note: [when the state moves]
         return plugin
     name = type(plugin).__name__
     if name == "BitsandbytesPrecision":
