@@ -101,6 +101,12 @@ class EnginePlan:
     activation_layer_bytes: int = 0
     head_prefetch: bool = True
 
+    def estimate_with(self, keep_activations: int, resident_blocks: int, block_bytes: float) -> float:
+        """The estimate (bytes) of this plan with other counts of kept layers and resident blocks (``block_bytes``
+        each): what the tuner's variants of the plan cost by the same model."""
+        kept = (keep_activations - self.keep_activations) * self.activation_layer_bytes
+        return self.vram_estimate + kept + (resident_blocks - self.resident_blocks) * block_bytes
+
     def options(self) -> dict[str, Any]:
         """Every option the plan chooses (:data:`poros_lightning.memory.options.OPTIONS` marks them ``planned``)."""
         return {**self.engine_kwargs(), "optimizer_on_host": self.optimizer_on_host}

@@ -5,7 +5,7 @@ gives with the memory model of this version (:func:`~poros_lightning.memory.plan
 layers and resident blocks that step ran (the tuner's steps, ``tuned``, else the row's own), beside the allocated
 peak the card measured. A row whose host-side options differ from today's plan for its budget is skipped (it
 measured another plan), as are rows without a budget or a measured peak. The ratio is the plan's word: at least
-1.0 when the model does not under-predict (``docs/planner.md``, "What the estimate leaves out").
+1.0 when the model does not under-predict (``docs/planner.md``, "The estimate, plan by plan").
 
 The steps the tuner measured carry their own peaks; the timed steps after them carry the row's peak (the largest
 of all steps), which is compared with the final plan only when no tuned step ran a larger one.
@@ -61,8 +61,7 @@ def estimate_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         block = row["block_mb"] * 1e6
 
         def priced(keep: int, resident: int, plan: Any = plan, block: float = block) -> float:
-            extra = (keep - plan.keep_activations) * plan.activation_layer_bytes
-            return (plan.vram_estimate + extra + (resident - plan.resident_blocks) * block) / 1e9
+            return plan.estimate_with(keep, resident, block) / 1e9
 
         base = {
             "run_id": str(row.get("run_id", ""))[:19],

@@ -340,10 +340,11 @@ def bench_methods(
             if tuner is not None:
                 tuned = PlanTuner.summary(tuner.history)
                 if plan is not None:  # each measured plan priced by the planner's model, beside its measured peak
+                    block = engine.store.max_block_bytes
                     for entry in tuned:
-                        entry["planned_gb"] = _priced(plan, entry, engine.store.max_block_bytes)
-                    priced = {"keep_activations": tuner.keep, "resident_blocks": tuner.resident}
-                    row["final_planned_peak_gb"] = _priced(plan, priced, engine.store.max_block_bytes)
+                        priced = plan.estimate_with(entry["keep_activations"], entry["resident_blocks"], block)
+                        entry["planned_gb"] = round(priced / 1e9, 3)
+                    row["final_planned_peak_gb"] = round(plan.estimate_with(tuner.keep, tuner.resident, block) / 1e9, 3)
                 row.update(tuned=tuned, keep_activations=tuner.keep, resident_blocks=tuner.resident)
             if device == "cuda":
                 row["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) - retries0
@@ -420,11 +421,3 @@ def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
     with path.open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-
-
-def _priced(plan: Any, tuned: dict[str, Any], block_bytes: int) -> float:
-    """The planner's estimate (GB) of ``plan`` with the kept layers and resident blocks a tuned step ran: the
-    estimate of the plan that step measured (``planned_peak_gb`` prices the plan the run started from)."""
-    kept = tuned["keep_activations"] - plan.keep_activations
-    resident = tuned["resident_blocks"] - plan.resident_blocks
-    return round((plan.vram_estimate + kept * plan.activation_layer_bytes + resident * block_bytes) / 1e9, 3)
