@@ -43,6 +43,7 @@ _KEYS = {
     "compile_layers",
     "rounds",
     "profile",
+    "memtrace",
     "peer_checkpoints",
     "peer_timeout_s",
 }
@@ -189,7 +190,10 @@ def run_bench(cfg: dict[str, Any], out: str | Path | None = None) -> list[dict[s
     runs = [{**run, "round": i} for i in range(rounds) for run in cfg["runs"]] if rounds > 1 else cfg["runs"]
     peers = {"root": cfg.get("peer_checkpoints"), "timeout_s": cfg.get("peer_timeout_s")}  # tools/bench/peers.py
     for entry in model_entries(cfg):
-        _run_model(entry, runs, out, rows, h2d=h2d, run_id=run_id, profile=bool(cfg.get("profile")), peers=peers)
+        _run_model(
+            entry, runs, out, rows, h2d=h2d, run_id=run_id, profile=bool(cfg.get("profile")), peers=peers,
+            memtrace=bool(cfg.get("memtrace")),
+        )  # fmt: skip
     return rows
 
 
@@ -203,6 +207,7 @@ def _run_model(
     run_id: str,
     profile: bool,
     peers: dict[str, Any],
+    memtrace: bool = False,
 ) -> None:
     """Every (seq_len, run) of one model entry; rows go to ``rows`` and ``out`` as each run ends.
 
@@ -258,6 +263,7 @@ def _run_model(
                 **shape,
                 compile_layers=bool(entry.get("compile_layers", False)),
                 profile=profile,
+                memtrace=memtrace,
                 on_row=record,
             )
         if theirs:
@@ -289,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="profile one more step per run (CUDA) and add where its GPU time went to the row (profile_* fields)",
     )
+    run.add_argument(
+        "--memtrace",
+        action="store_true",
+        help="run one more step per run under the CUDA allocator's history and add what was allocated at its "
+        "peak, and where, to the row (memtrace_* fields)",
+    )
     rep = sub.add_parser("report", help="render an HTML report (and print a Markdown table) from JSONL files")
     rep.add_argument("jsonl", nargs="+")
     rep.add_argument("-o", "--output", default="docs/benchmarks/report.html")
@@ -297,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     rep.add_argument(
         "--profile", action="store_true", help="also print the per-phase profile of rows run with `bench run --profile`"
+    )
+    rep.add_argument(
+        "--memtrace", action="store_true", help="also print what was allocated at the peak of rows run with --memtrace"
     )
     rep.add_argument("--since", metavar="RUN_ID", help="keep rows whose run_id sorts at or after RUN_ID (a date)")
     rep.add_argument(
@@ -322,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg["rounds"] = args.rounds
         if args.profile:
             cfg["profile"] = True
+        if args.memtrace:
+            cfg["memtrace"] = True
         if args.runs:
             names = [run_name(r) for r in cfg["runs"]]
             missing = sorted(set(args.runs) - set(names))
@@ -362,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print()
         print(profile_table(rows))
+    if args.memtrace:
+        from poros_lightning.tools.bench.report import memtrace_table
+
+        print()
+        print(memtrace_table(rows))
     if args.estimates:
         from poros_lightning.tools.bench.estimates import estimates_table
 

@@ -117,6 +117,7 @@ def bench_methods(
     blockwise: bool | None = None,
     compile_layers: bool = False,
     profile: bool = False,
+    memtrace: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Build the model once and time each run of ``runs`` on it, in order.
@@ -145,7 +146,8 @@ def bench_methods(
     model returns to resident, so every method trains the same bytes. ``blockwise``: see
     :func:`~poros_lightning.tools.parity.build.build_peft_model` (``None``: when bf16 would not fit). ``profile``
     (CUDA): each run profiles one more step after its timed ones and adds its per-phase summary to the row
-    as ``profile_*`` fields (:func:`~poros_lightning.tools.bench.timeline.summarize_trace`). ``on_row`` is
+    as ``profile_*`` fields (:func:`~poros_lightning.tools.bench.timeline.summarize_trace`); ``memtrace`` (CUDA),
+    what was allocated at one more step's peak, as ``memtrace_*`` fields (tools/bench/memtrace.py). ``on_row`` is
     called with each row as soon as its run ends (a run killed later loses nothing already measured).
     """
     from poros_lightning.api import engine_of, prepare, unprepare
@@ -315,6 +317,7 @@ def bench_methods(
             host_split: dict[str, list[float]] = {}
             counts: dict[str, Any] = {}
             profiled: dict[str, Any] | None = {} if profile else None
+            traced: dict[str, Any] | None = {} if memtrace else None
             times = step_loop(
                 model,
                 batches_of(effective_batch),
@@ -335,6 +338,7 @@ def bench_methods(
                 loss_chunk_tokens=loss_chunk,
                 optimizer=optimizer,
                 optimizer_prefetch=micro == 1,  # as PorosStrategy (Note: [when the state moves])
+                memtrace=traced,
             )
             s_per_step = sum(times) / len(times)
             if tuner is not None:
@@ -362,6 +366,7 @@ def bench_methods(
                 peak_reserved_gb=peaks["reserved"] / 1e9 if device == "cuda" else None,
                 host_rss_gb=_host_rss(),
                 **{f"profile_{k}": v for k, v in (profiled or {}).items()},
+                **{f"memtrace_{k}": v for k, v in (traced or {}).items()},
             )
             if "optimizer_prefetches" in counts:
                 row["optimizer_prefetches_per_step"] = counts["optimizer_prefetches"] / (warmup + steps)

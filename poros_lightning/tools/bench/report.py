@@ -11,7 +11,16 @@ from typing import Any
 
 from poros_lightning.tools.bench.sweep import sweep_html, sweep_table
 
-__all__ = ["load_rows", "markdown_table", "peers_html", "profile_table", "ratio_table", "render_html", "sweep_table"]
+__all__ = [
+    "load_rows",
+    "markdown_table",
+    "memtrace_table",
+    "peers_html",
+    "profile_table",
+    "ratio_table",
+    "render_html",
+    "sweep_table",
+]
 
 _COLUMNS = (
     ("model", "model"),
@@ -132,6 +141,26 @@ def profile_table(rows: list[dict[str, Any]]) -> str:
             if f"profile_{phase}_s" in row:
                 cells = [_fmt(row.get(f"profile_{phase}_{key}")) for key, _ in _PROFILE]
                 lines.append(f"| {row['method']} | {phase} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memtrace_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of what each row run with ``bench run --memtrace`` had allocated at its step's peak, by where
+    it was allocated, beside the row's estimate (``final_planned_peak_gb``, else ``planned_peak_gb``)."""
+    lines = [
+        "| scale | seq | method | peak GB | planned GB | where | GB | tensors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "memtrace_top" not in row:
+            continue
+        planned = row.get("final_planned_peak_gb", row.get("planned_peak_gb"))
+        head = [str(row.get("scale")), str(row.get("seq_len")), str(row.get("method"))]
+        head += [_fmt(row.get("memtrace_peak_gb")), _fmt(planned)]
+        for i, group in enumerate(row["memtrace_top"]):
+            first = head if i == 0 else [""] * len(head)
+            where = str(group["where"]).replace("|", "/")
+            lines.append("| " + " | ".join([*first, f"`{where}`", _fmt(group["gb"]), str(group["count"])]) + " |")
     return "\n".join(lines)
 
 

@@ -80,6 +80,7 @@ def step_loop(
     loss_chunk_tokens: int | None = None,
     optimizer: str = "adamw",
     optimizer_prefetch: bool = True,
+    memtrace: dict[str, Any] | None = None,
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -108,6 +109,8 @@ def step_loop(
     host ``head``'s copies), as they stood after the timed steps.
     ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
     timed ones (:func:`~poros_lightning.tools.bench.timeline.profile_step`): where that step's GPU time went.
+    ``memtrace`` (CUDA) likewise receives what was allocated at the peak of one more step, and where
+    (:func:`~poros_lightning.tools.bench.memtrace.record_step`).
 
     Each step is timed until the compute stream has finished it: copies on side streams that a training
     loop overlaps with the next step (``optimizer_on_host``'s copy out) run on into the next step's time,
@@ -227,6 +230,13 @@ def step_loop(
         ids = batches[-1].to(device)
         kept = dict(phases)  # the peaks are the timed steps'
         profile.update(profile_step(lambda mark: step(ids, mark)))
+        phases.update(kept)
+    if memtrace is not None and cuda and batches:
+        from poros_lightning.tools.bench.memtrace import record_step
+
+        ids = batches[-1].to(device)
+        kept = dict(phases)
+        memtrace.update(record_step(lambda: step(ids, lambda: None)))
         phases.update(kept)
     if host is not None:
         host.close()

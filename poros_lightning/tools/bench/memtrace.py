@@ -1,0 +1,117 @@
+"""What is on the GPU at a step's peak: one step under the CUDA allocator's history, grouped by where it was allocated.
+
+Invariant: every figure is read from the allocator's own record of the step (``torch.cuda.memory._snapshot()``'s
+trace of ``alloc`` and ``free_completed`` events, the events its ``allocated_bytes`` statistics follow); nothing is
+estimated. Memory allocated before the step and still alive at the peak is one group (``before the step``): the
+trace does not say where it came from.
+
+Note: [grouping]
+    Each allocation is labelled by the two innermost Python frames of the code that asked for it, skipping torch's
+    own machinery (``torch/`` files other than ``torch/nn/modules``): e.g. ``modeling_qwen2.py:61 forward <
+    modeling_qwen2.py:420 forward`` for the final norm's fp32 copy, ``linear.py:134 forward < chunked_loss.py:120
+    logits`` for a chunk's logits. Allocations the autograd engine makes
+    outside Python (most of a backward's gradients) have no Python frame: they are one group,
+    ``(autograd engine, no Python frame)``. The largest groups at the peak are what a memory estimate must count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+__all__ = ["NO_FRAME", "label", "peak_breakdown", "record_step"]
+
+NO_FRAME = "(autograd engine, no Python frame)"
+BEFORE = "before the step"
+
+
+def label(frames: Iterable[Mapping[str, Any]], depth: int = 2) -> str:
+    """``file:line function`` of the ``depth`` innermost frames outside torch's machinery, innermost first, joined
+    by ``" < "`` (Note: [grouping])."""
+    kept = []
+    for frame in frames:  # innermost first, as the allocator records them
+        name = str(frame.get("filename", "")).replace(chr(92), "/")
+        if name.endswith(".py") and ("/torch/" not in name or "/torch/nn/modules/" in name):
+            kept.append(f"{name.rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}")
+            if len(kept) == depth:
+                break
+    return " < ".join(kept) if kept else NO_FRAME
+
+
+def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12) -> dict[str, Any]:
+    """The allocated peak of ``trace`` (one device's events) over ``baseline`` bytes allocated before it, and what
+    was alive there, grouped (Note: [grouping]).
+
+    Returns:
+        ``peak_gb`` (allocated at the peak), ``before_gb`` (of it, allocated before the trace), ``events`` (the
+        trace's length) and ``top``: the ``top`` largest groups at the peak, each ``{"where", "gb", "count"}``,
+        largest first (``before the step`` among them).
+    """
+
+    def replay(stop: int | None) -> tuple[int, int, dict[int, tuple[int, str]], int]:
+        live: dict[int, tuple[int, str]] = {}
+        before = current = peak = baseline
+        at = -1
+        for i, event in enumerate(trace):
+            if stop is not None and i > stop:
+                break
+            action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
+            if action == "alloc":
+                live[addr] = (size, label(event.get("frames", ())) if stop is not None else "")
+                current += size
+            elif action == "free_completed":
+                if addr in live:
+                    current -= live.pop(addr)[0]
+                else:  # allocated before the trace began
+                    before -= size
+                    current -= size
+            if current > peak:
+                peak, at = current, i
+        return peak, before, live, at
+
+    peak, _, _, at = replay(None)
+    if at < 0:  # nothing in the trace went above the baseline
+        groups: dict[str, list[int]] = {BEFORE: [baseline, 0]}
+        before = baseline
+    else:
+        _, before, live, _ = replay(at)
+        groups = {BEFORE: [before, 0]}
+        for size, where in live.values():
+            entry = groups.setdefault(where, [0, 0])
+            entry[0] += size
+            entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "peak_gb": round(peak / 1e9, 4),
+        "before_gb": round(before / 1e9, 4),
+        "events": len(trace),
+        "top": [{"where": where, "gb": round(b / 1e9, 4), "count": n} for where, (b, n) in ranked],
+    }
+
+
+def record_step(step: Callable[[], None], max_entries: int = 2_000_000) -> dict[str, Any]:
+    """Run ``step()`` once (CUDA) under the allocator's history and return :func:`peak_breakdown` of it.
+
+    The history holds every allocation and free of the step with its Python stack; it is switched off and dropped
+    afterwards. The figures are of this step only (``max_memory_allocated`` is reset before it).
+    """
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    device = torch.cuda.current_device()
+    torch.cuda.memory._record_memory_history(
+        "all", context="alloc", stacks="python", max_entries=max_entries, clear_history=True
+    )
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    trace = snapshot["device_traces"][device]
+    result = peak_breakdown(trace, baseline)
+    result["max_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 4)  # the allocator's own peak
+    result["truncated"] = len(trace) >= max_entries  # the history kept only the last max_entries events
+    return result

@@ -1,0 +1,100 @@
+"""What was allocated at a step's peak (``bench run --memtrace``): the analysis of the allocator's trace, on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import tiny_config
+
+from poros_lightning.tools.bench.cli import main
+from poros_lightning.tools.bench.memtrace import NO_FRAME, label, peak_breakdown
+
+NORM = [
+    {"filename": "/x/site-packages/torch/_tensor.py", "line": 5, "name": "to"},
+    {"filename": "/x/site-packages/transformers/models/qwen2/modeling_qwen2.py", "line": 61, "name": "forward"},
+    {"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1775, "name": "_call_impl"},
+    {"filename": "/x/site-packages/transformers/models/qwen2/modeling_qwen2.py", "line": 420, "name": "forward"},
+]
+HEAD = [
+    {"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 134, "name": "forward"},
+    {"filename": "/w/poros_lightning/training/chunked_loss.py", "line": 120, "name": "logits"},
+]
+
+
+def test_labels_name_the_code_outside_torch_that_allocated() -> None:
+    assert label(NORM) == "modeling_qwen2.py:61 forward < module.py:1775 _call_impl"
+    assert label(NORM, depth=1) == "modeling_qwen2.py:61 forward"
+    assert label(HEAD) == "linear.py:134 forward < chunked_loss.py:120 logits"  # torch.nn modules are kept
+    assert label([{"filename": "/x/torch/autograd/graph.py", "line": 1, "name": "f"}]) == NO_FRAME
+    assert label([]) == NO_FRAME
+
+
+def _alloc(addr: int, size: int, frames: list) -> dict:
+    return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+
+def _free(addr: int, size: int) -> dict:
+    return [
+        {"action": "free_requested", "addr": addr, "size": size},
+        {"action": "free_completed", "addr": addr, "size": size},
+    ]
+
+
+def test_the_peak_and_what_was_alive_there_by_where_it_was_allocated() -> None:
+    trace = [
+        _alloc(1, 100, NORM),
+        _alloc(2, 300, HEAD),
+        *_free(9, 50),  # allocated before the trace began
+        _alloc(3, 200, HEAD),  # the peak: 1000 - 50 + 100 + 300 + 200 = 1550
+        *_free(2, 300),
+        *_free(3, 200),
+        _alloc(4, 400, []),  # 1000 - 50 + 100 + 400 = 1450: below the peak
+    ]
+    out = peak_breakdown(trace, baseline=1000)
+    assert out["peak_gb"] == round(1550 / 1e9, 4) and out["before_gb"] == round(950 / 1e9, 4)
+    assert [(g["where"], g["count"]) for g in out["top"]] == [
+        ("before the step", 0),
+        ("linear.py:134 forward < chunked_loss.py:120 logits", 2),
+        ("modeling_qwen2.py:61 forward < module.py:1775 _call_impl", 1),
+    ]
+    assert out["top"][1]["gb"] == round(500 / 1e9, 4) and out["events"] == len(trace)
+    # Nothing above the baseline: the peak is what was there before.
+    quiet = peak_breakdown([*_free(9, 50)], baseline=1000)
+    assert quiet["peak_gb"] == round(1000 / 1e9, 4) and quiet["top"] == [
+        {"where": "before the step", "gb": round(1000 / 1e9, 4), "count": 0}
+    ]
+
+
+def test_memtrace_is_cuda_only_and_the_report_prints_traced_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = {
+        "model_config": tiny_config(),
+        "seq_lens": [8],
+        "lora_r": 4,
+        "steps": 1,
+        "warmup": 1,
+        "runs": [{"method": "poros"}],
+        "out": str(tmp_path / "bench.jsonl"),
+    }
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path), "--memtrace"]) == 0
+    (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
+    assert row["s_per_step"] > 0 and not any(k.startswith("memtrace_") for k in row)  # on CPU: none made up
+    traced = {
+        "scale": "7B",
+        "seq_len": 512,
+        "method": "poros_min",
+        "s_per_step": 1.0,
+        "final_planned_peak_gb": 1.869,
+        "memtrace_peak_gb": 1.97,
+        "memtrace_top": [{"where": "before the step", "gb": 1.5, "count": 0}, {"where": "a|b", "gb": 0.12, "count": 3}],
+    }
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(row) + "\n" + json.dumps(traced) + "\n")
+    assert main(["report", str(rows), "--memtrace", "-o", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "| 7B | 512 | poros_min | 1.970 | 1.869 | `before the step` | 1.500 | 0 |" in out
+    assert "|  |  |  |  |  | `a/b` | 0.120 | 3 |" in out
