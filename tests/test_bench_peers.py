@@ -208,6 +208,26 @@ def test_the_soup_config_is_the_bench_shape() -> None:
     assert training["lora"] == {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
+def test_a_soup_failure_names_soups_own_error(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from poros_lightning.tools.bench.peer_soup import soup_crash
+
+    assert soup_crash(tmp_path, 0.0) == ""  # no bundle: nothing to add
+    crashes = tmp_path / ".soup-crashes"
+    crashes.mkdir()
+    old = crashes / "crash_old.crash"
+    old.write_text(json.dumps({"error": {"type": "ValueError", "message": "an earlier run"}}))
+    os.utime(old, (1.0, 1.0))
+    since = time.time() - 1
+    assert soup_crash(tmp_path, since) == ""  # older than this run: not its error
+    (crashes / "crash_new.crash").write_text(json.dumps({"error": {"type": "RuntimeError", "message": "CUDA error"}}))
+    assert soup_crash(tmp_path, since) == ": RuntimeError: CUDA error"
+    (crashes / "crash_new.crash").write_text("not json")
+    assert soup_crash(tmp_path, since) == ""
+
+
 def _report_rows() -> list[dict]:
     base = {"run_id": "r", "model": "Qwen/Qwen2.5-7B (random init)", "scale": "7B", "seq_len": 512, "source": "x"}
     return [

@@ -22,7 +22,7 @@ import yaml
 
 from poros_lightning.tools.bench.peers import bench_batches
 
-__all__ = ["soup_config", "train_soup"]
+__all__ = ["soup_config", "soup_crash", "train_soup"]
 
 
 def soup_config(spec: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +119,7 @@ def train_soup(
     import transformers
 
     work = Path.cwd()
+    started = time.time()
     # Soup's layer cache (the NF4 layers it streams) beside the checkpoint, shared by the runs of every length.
     os.environ.setdefault("SOUP_LAYER_STREAM_CACHE_DIR", str(Path(spec["checkpoint"]).parent / "soup-layer-cache"))
     _write_data(spec, work)
@@ -146,5 +147,21 @@ def train_soup(
         sys.argv = argv
         transformers.Trainer.__init__ = original
     if len(times) < int(spec["steps"]):
-        raise RuntimeError(f"soup train exited with code {code} after {len(times)} timed steps of {spec['steps']}")
+        raise RuntimeError(
+            f"soup train exited with code {code} after {len(times)} timed steps of {spec['steps']}"
+            + soup_crash(work, started)
+        )
     return {"times": times, "soup_exit_code": code, **peaks}
+
+
+def soup_crash(work: Path, since: float) -> str:
+    """Soup's own error from the crash bundle it writes for any exception in setup or training
+    (``<work>/.soup-crashes/*.crash``, JSON with ``error.type`` and ``error.message``), newer than ``since``; or ''."""
+    bundles = [p for p in (work / ".soup-crashes").glob("*.crash") if p.stat().st_mtime >= since]
+    if not bundles:
+        return ""
+    try:
+        err = json.loads(max(bundles, key=lambda p: p.stat().st_mtime).read_text()).get("error") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f": {err.get('type')}: {err.get('message')}"
