@@ -213,6 +213,16 @@ def test_timeline_splits_idle_time_into_link_and_host_waits() -> None:
     assert got["update_d2h_gb"] == pytest.approx(2.0) and got["update_side_h2d_gb"] == 0
     with pytest.raises(ValueError, match="4 phase markers"):
         summarize_trace({"traceEvents": trace["traceEvents"][1:]})
+    from poros_lightning.tools.bench.timeline import kernel_summary
+
+    kernels = kernel_summary(trace, top=2)  # every stream, markers and host events left out
+    assert kernels["kernel_groups"] == {"matmul": pytest.approx(140e-6), "memcpy": pytest.approx(140e-6),
+                                        "other": pytest.approx(10e-6)}  # fmt: skip
+    assert kernels["top_kernels"][0] == {"name": "gemm", "s": pytest.approx(140e-6), "count": 3}
+    assert len(kernels["top_kernels"]) == 2
+    named = kernel_summary({"traceEvents": [_event("kernel", "void kDequantizeBlockwise<bf16>", 0, 5, 7),
+                                            _event("kernel", "_rms_layernorm_forward", 5, 5, 7)]})  # fmt: skip
+    assert set(named["kernel_groups"]) == {"nf4 dequantize", "norm, softmax, loss"}
 
 
 def test_profile_is_cuda_only(tmp_path: Path) -> None:
@@ -230,6 +240,11 @@ def test_report_prints_the_profile_of_profiled_rows(tmp_path: Path, capsys: pyte
     assert main(["report", str(path), "--profile", "-o", str(tmp_path / "r.html")]) == 0
     out = capsys.readouterr().out
     assert "| poros | backward | 0.500 | 0.500 | — |" in out and "| resident_gc | forward" not in out
+    rows[0].update(profile_kernel_groups={"matmul": 0.25}, profile_top_kernels=[{"name": "a|b", "s": 0.2, "count": 9}])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(path), "--profile", "-o", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "| None | None | poros | matmul | 0.250 |  |" in out and "|  |  |  | `a/b` | 0.200 | 9 |" in out
 
 
 def test_launch_probe_needs_cuda() -> None:

@@ -87,9 +87,12 @@ def test_a_missing_peer_is_a_refused_row_and_the_sweep_goes_on(tmp_path: Path) -
     }
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    assert main(["run", str(path)]) == 0
+    assert main(["run", str(path), "--profile"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["resident_gc", "peer_unsloth", "hf_1GB"]
+    spec = json.loads((Path(rows[2]["log"]).parent / "spec.json").read_text())
+    assert spec["profile"] is True  # --profile reaches the peers' processes
+    assert not any(k.startswith("profile_") for r in rows for k in r)  # on CPU: no profile made up
     resident, unsloth, hf = rows
     assert resident["base_method"] == "resident_gc" and resident["s_per_step"] > 0
     assert CORE <= set(unsloth) and CORE <= set(hf)

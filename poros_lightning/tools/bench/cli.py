@@ -275,7 +275,10 @@ def _run_model(
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             scale = entry.get("scale")
-            run_peers(config, theirs, model=label, scale=scale, seq_len=int(seq_len), **shape, **peers, on_row=record)
+            run_peers(
+                config, theirs, model=label, scale=scale, seq_len=int(seq_len), **shape, **peers, on_row=record,
+                profile=profile,
+            )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,8 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(ratio_table(rows, args.ratio_to))
     if args.profile:
+        from poros_lightning.tools.bench.report import kernel_table
+
         print()
         print(profile_table(rows))
+        print()
+        print(kernel_table(rows))
     if args.memtrace:
         from poros_lightning.tools.bench.report import memtrace_table
 

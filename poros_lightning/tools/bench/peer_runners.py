@@ -71,29 +71,50 @@ def _checkpointing(model: Any) -> None:
 
 def _step_loop(model: Any, spec: dict[str, Any], device: str) -> dict[str, Any]:
     """The user's loop: forward with ``labels`` (the model's own loss), backward, AdamW; the timed steps' seconds
-    (``times``) and the last step's loss (``final_loss``: that the steps trained)."""
+    (``times``) and the last step's loss (``final_loss``: that the steps trained). With ``spec["profile"]`` (CUDA),
+    one more step runs under the CUDA profiler, as ``bench run --profile`` profiles ours: ``profile_*`` fields
+    (:func:`~poros_lightning.tools.bench.timeline.profile_step`; the backward runs inside the ``forward`` phase, as
+    in our accumulating runs)."""
     rows = int(spec["batch_size"]) * int(spec["accumulate"])
     batches = bench_batches(spec["vocab"], rows, spec["seq_len"], spec["warmup"] + spec["steps"])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model.train()
     times = []
-    _reset_peaks()
-    for i, ids in enumerate(batches):
-        ids = ids.to(device)
-        _sync()
-        t = time.perf_counter()
-        loss = 0.0
+
+    def step(ids: torch.Tensor, mark: Callable[[], None] = lambda: None) -> torch.Tensor:
+        mark()
+        loss = torch.zeros((), device=ids.device)
         for chunk in ids.chunk(int(spec["accumulate"])):
             out = model(input_ids=chunk, labels=chunk, use_cache=False)
             part = out.loss / int(spec["accumulate"])
             part.backward()
             loss = loss + part.detach()
+        mark()
+        mark()  # no backward phase of its own: each micro-batch's backward ran above
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark()
+        return loss
+
+    _reset_peaks()
+    loss = torch.zeros(())
+    for i, ids in enumerate(batches):
+        ids = ids.to(device)
+        _sync()
+        t = time.perf_counter()
+        loss = step(ids)
         _sync()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
-    return {"times": times, "final_loss": float(loss)}
+    result: dict[str, Any] = {"times": times, "final_loss": float(loss)}
+    if spec.get("profile") and device == "cuda" and batches:
+        from poros_lightning.tools.bench.timeline import profile_step
+
+        peaks = _peaks()  # the timed steps'
+        ids = batches[-1].to(device)
+        result.update({f"profile_{k}": v for k, v in profile_step(lambda mark: step(ids, mark)).items()})
+        result.update(peaks)
+    return result
 
 
 def _hf_offload(spec: dict[str, Any]) -> dict[str, Any]:

@@ -305,12 +305,15 @@ def run_peers(
     root: str | Path | None = None,
     timeout_s: float | None = None,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Every peer run of ``runs`` on the bench's model of ``config``, one child process each, in order.
 
     The checkpoint is written first under ``root`` (:func:`default_checkpoint_root` when None), or reused; a
     checkpoint that cannot be written makes every run a refused row. Each child gets ``timeout_s`` (a run's own
-    ``timeout_s`` first; :data:`DEFAULT_TIMEOUT_S` when None). ``on_row`` gets each row as its run ends.
+    ``timeout_s`` first; :data:`DEFAULT_TIMEOUT_S` when None). ``on_row`` gets each row as its run ends. ``profile``:
+    each peer that runs our loop (not Soup, whose trainer runs its own) profiles one more step, as ``bench run
+    --profile`` does ours.
     """
     from poros_lightning.arch import get_arch
     from poros_lightning.quant.hf_config import text_config
@@ -351,6 +354,7 @@ def run_peers(
             "steps": steps,
             "warmup": warmup,
             "seed": 0,
+            "profile": profile,
             **{k: run[k] for k in ("vram_budget", "cpu_budget", "prepare_kbit", "round") if k in run},
         }
         if failure is not None:

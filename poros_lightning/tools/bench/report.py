@@ -16,6 +16,7 @@ __all__ = [
     "markdown_table",
     "memtrace_table",
     "peers_html",
+    "kernel_table",
     "profile_table",
     "ratio_table",
     "render_html",
@@ -141,6 +142,25 @@ def profile_table(rows: list[dict[str, Any]]) -> str:
             if f"profile_{phase}_s" in row:
                 cells = [_fmt(row.get(f"profile_{phase}_{key}")) for key, _ in _PROFILE]
                 lines.append(f"| {row['method']} | {phase} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def kernel_table(rows: list[dict[str, Any]], top: int = 5) -> str:
+    """A Markdown table of the profiled step of every row that has one, by kernel family (seconds of GPU time), and
+    its ``top`` kernels of most time: what a faster run spends less on."""
+    lines = ["| scale | seq | method | family or kernel | GPU s | kernels |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        groups = row.get("profile_kernel_groups")
+        if not groups:
+            continue
+        head = [str(row.get("scale")), str(row.get("seq_len")), str(row.get("method"))]
+        entries = [(g, s, "") for g, s in groups.items()]
+        entries += [
+            (f"`{k['name'].replace('|', '/')}`", k["s"], str(k["count"])) for k in row["profile_top_kernels"][:top]
+        ]
+        for i, (name, seconds, count) in enumerate(entries):
+            first = head if i == 0 else [""] * len(head)
+            lines.append("| " + " | ".join([*first, name, _fmt(float(seconds)), count]) + " |")
     return "\n".join(lines)
 
 

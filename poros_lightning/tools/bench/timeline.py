@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MARKER", "summarize_trace", "profile_step"]
+__all__ = ["MARKER", "KERNEL_GROUPS", "kernel_summary", "summarize_trace", "profile_step"]
 
 MARKER = "spin_kernel"
 """Name of the kernel ``torch.cuda._sleep`` launches: the phase boundaries of a profiled step."""
@@ -72,6 +72,44 @@ def _gaps(busy: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[f
 
 def _h2d(event: dict[str, Any]) -> bool:
     return event.get("cat") == "gpu_memcpy" and "HtoD" in event.get("name", "")
+
+
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("nf4 dequantize", ("dequantize", "kdequant", "gemm_4bit")),
+    ("matmul", ("gemm", "cutlass", "xmma", "cublas", "nvjet", "matmul", "sm80_", "sm90_", "sm100_")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "mem_eff")),
+    ("norm, softmax, loss", ("norm", "softmax", "cross_entropy", "nll_loss", "reduce")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy_kernel", "fill", "cat", "index")),
+)
+"""Kernel families of :func:`kernel_summary`, by substrings of the lower-cased kernel name, first match wins; a
+kernel matching none is ``other`` (custom Triton kernels such as a peer's fused ones among them: the top kernels
+name them), and copies and memsets are ``memcpy``."""
+
+
+def kernel_summary(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
+    """Where a step's GPU time went, by kernel: ``kernel_groups`` (seconds per family of :data:`KERNEL_GROUPS`,
+    every stream, marker kernels left out) and ``top_kernels`` (the ``top`` kernels of most total time, each
+    ``{"name", "s", "count"}``, the name cut at 100 characters)."""
+    groups: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in _GPU or MARKER in e.get("name", ""):
+            continue
+        name, seconds = str(e.get("name", "")), float(e.get("dur", 0)) / 1e6
+        if e.get("cat") == "kernel":
+            low = name.lower()
+            group = next((g for g, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other")
+        else:
+            group = "memcpy"
+        groups[group] = groups.get(group, 0.0) + seconds
+        entry = by_name.setdefault(name[:100], [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "kernel_groups": {g: round(t, 6) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n, "s": round(t, 6), "count": int(c)} for n, (t, c) in ranked],
+    }
 
 
 def summarize_trace(
@@ -132,7 +170,8 @@ def summarize_trace(
 
 
 def profile_step(step: Callable[[Callable[[], None]], None]) -> dict[str, Any]:
-    """Run ``step(mark)`` once under the CUDA profiler and summarize it (:func:`summarize_trace`).
+    """Run ``step(mark)`` once under the CUDA profiler and summarize it (:func:`summarize_trace`, and
+    :func:`kernel_summary` of the whole step).
 
     ``step`` calls ``mark()`` at each phase boundary (four times: before the forward, after it, after
     the backward, after the update); ``mark`` queues a marker kernel on the current stream.
@@ -151,4 +190,4 @@ def profile_step(step: Callable[[Callable[[], None]], None]) -> dict[str, Any]:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    return summarize_trace(trace)
+    return {**summarize_trace(trace), **kernel_summary(trace)}
