@@ -1,17 +1,18 @@
 """What is on the GPU at a step's peak: one step under the CUDA allocator's history, grouped by where it was allocated.
 
 Invariant: every figure is read from the allocator's own record of the step (``torch.cuda.memory._snapshot()``'s
-trace of ``alloc`` and ``free_completed`` events, the events its ``allocated_bytes`` statistics follow); nothing is
-estimated. Memory allocated before the step and still alive at the peak is one group (``before the step``): the
-trace does not say where it came from.
+trace of ``alloc`` and ``free_requested`` events); nothing is estimated. A block counts from its ``alloc`` to its
+``free_requested``, as the allocator's ``allocated_bytes`` statistic (``max_memory_allocated``) counts it: a block
+freed while a side stream may still use it (``record_stream``) is only reused after that stream's event, and its
+``free_completed`` comes later, but it is no longer allocated. Memory allocated before the step and still alive at
+the peak is one group (``before the step``): the trace does not say where it came from.
 
 Note: [grouping]
-    Each allocation is labelled by the two innermost Python frames of the code that asked for it, skipping torch's
-    own machinery (``torch/`` files other than ``torch/nn/modules``): e.g. ``modeling_qwen2.py:61 forward <
-    modeling_qwen2.py:420 forward`` for the final norm's fp32 copy, ``linear.py:134 forward < chunked_loss.py:120
-    logits`` for a chunk's logits. Allocations the autograd engine makes
-    outside Python (most of a backward's gradients) have no Python frame: they are one group,
-    ``(autograd engine, no Python frame)``. The largest groups at the peak are what a memory estimate must count.
+    Each allocation is labelled by the innermost Python frame of the code that asked for it, then the innermost
+    frame outside torch where that is another: e.g. ``modeling_qwen2.py:61 forward`` for a norm's fp32 copy,
+    ``linear.py:134 forward < chunked_loss.py:120 logits`` for a chunk's logits. Allocations the autograd engine makes outside Python (most of a
+    backward's gradients) have no Python frame: they are one group, ``(autograd engine, no Python frame)``. The
+    largest groups at the peak are what a memory estimate must count.
 """
 
 from __future__ import annotations
@@ -25,17 +26,25 @@ NO_FRAME = "(autograd engine, no Python frame)"
 BEFORE = "before the step"
 
 
-def label(frames: Iterable[Mapping[str, Any]], depth: int = 2) -> str:
-    """``file:line function`` of the ``depth`` innermost frames outside torch's machinery, innermost first, joined
-    by ``" < "`` (Note: [grouping])."""
-    kept = []
-    for frame in frames:  # innermost first, as the allocator records them
+def _frame(frame: Mapping[str, Any]) -> str:
+    name = str(frame.get("filename", "")).replace(chr(92), "/")
+    return f"{name.rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+
+
+def label(frames: Iterable[Mapping[str, Any]]) -> str:
+    """The innermost Python frame, then the innermost one outside torch if that is another, joined by ``" < "``
+    (Note: [grouping])."""
+    python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]  # innermost first, as recorded
+    if not python:
+        return NO_FRAME
+    parts = [_frame(python[0])]
+    for frame in python:
         name = str(frame.get("filename", "")).replace(chr(92), "/")
-        if name.endswith(".py") and ("/torch/" not in name or "/torch/nn/modules/" in name):
-            kept.append(f"{name.rsplit('/', 1)[-1]}:{frame.get('line')} {frame.get('name')}")
-            if len(kept) == depth:
-                break
-    return " < ".join(kept) if kept else NO_FRAME
+        if "/torch/" not in name:
+            if frame is not python[0]:
+                parts.append(_frame(frame))
+            break
+    return " < ".join(parts)
 
 
 def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12) -> dict[str, Any]:
@@ -59,7 +68,7 @@ def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12)
             if action == "alloc":
                 live[addr] = (size, label(event.get("frames", ())) if stop is not None else "")
                 current += size
-            elif action == "free_completed":
+            elif action == "free_requested":
                 if addr in live:
                     current -= live.pop(addr)[0]
                 else:  # allocated before the trace began
@@ -93,12 +102,11 @@ def record_step(step: Callable[[], None], max_entries: int = 2_000_000) -> dict[
     """Run ``step()`` once (CUDA) under the allocator's history and return :func:`peak_breakdown` of it.
 
     The history holds every allocation and free of the step with its Python stack; it is switched off and dropped
-    afterwards. The figures are of this step only (``max_memory_allocated`` is reset before it).
+    afterwards.
     """
     import torch
 
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
     device = torch.cuda.current_device()
     torch.cuda.memory._record_memory_history(
@@ -112,6 +120,5 @@ def record_step(step: Callable[[], None], max_entries: int = 2_000_000) -> dict[
         torch.cuda.memory._record_memory_history(None)
     trace = snapshot["device_traces"][device]
     result = peak_breakdown(trace, baseline)
-    result["max_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 4)  # the allocator's own peak
     result["truncated"] = len(trace) >= max_entries  # the history kept only the last max_entries events
     return result
