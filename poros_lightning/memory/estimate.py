@@ -63,7 +63,8 @@ class MemoryPlan:
         activation_resident_gc_bytes: estimate for a resident run with per-layer gradient checkpointing.
         activation_layer_bytes: estimate: what the largest decoder layer saves when it keeps its activations
             (``keep_activations``) instead of recomputing them.
-        recompute_layer_bytes: estimate: what the largest decoder layer's recompute holds (one micro-batch).
+        recompute_layer_bytes: estimate: what the largest decoder layer's recompute holds (one micro-batch): its
+            saved activations and its transient working set (:func:`_layer_transient_per_token`).
         backward_extra_bytes: what a layer's backward holds beside its recompute and the adapter: the dequantized
             weight, the boundary gradients of every micro-batch and, block-major, the per-micro-batch LoRA
             gradients that wait for their ordered sum.
@@ -198,6 +199,20 @@ def _layer_activation_per_token(layer: LayerShape, targets: frozenset[str], hidd
     return 4 * adapted_in + 3 * BF16 * widest + 4 * BF16 * hidden + 2 * 4 * hidden
 
 
+def _layer_transient_per_token(layer: LayerShape, targets: frozenset[str]) -> int:
+    """Bytes per token a decoder layer's forward (or recompute) holds only while it runs, beside what it saves: the
+    fp32 output of the widest adapted projection's LoRA path (PEFT computes the adapters in fp32; ``lora_B``'s
+    output is scaled into a second fp32 tensor before the sum, the first still alive).
+
+    At Qwen2.5-7B, seq 4096, 4 rows per micro-batch, that is 1.24 GB (16384 tokens x 18944 x 4 bytes): the
+    minimum plan ran out of memory asking for it in PEFT's ``lora_B(lora_A(dropout(x))) * scaling``, and without
+    the cap it peaked 0.47 GB above an estimate without this term (docs/benchmarks/recipes.jsonl, runs
+    ``2026-12-07T00:23:39`` and ``00:25:33``). At 512 tokens it is 39 MB.
+    """
+    adapted = [lin.out_features for lin in layer.linears if lin.name in targets]
+    return 4 * max(adapted) if adapted else 0
+
+
 LAYER_SAVES_FACTOR: dict[str, float] = {
     "qwen3": 1.1,
     "qwen3_5_text": 2.25,
@@ -296,6 +311,8 @@ def plan_memory(
     layer_q = [sum(quantized_weight_bytes(lin.weight_numel, quantization) for lin in x.linears) for x in shapes.layers]
     factor = LAYER_SAVES_FACTOR.get(shapes.model_type, 1.0)
     layer_act = [int(tokens * _layer_activation_per_token(x, targets, hidden) * factor) for x in shapes.layers]
+    # One layer runs at a time: its transient working set comes on top of what the layers around it saved.
+    transient = tokens * max(_layer_transient_per_token(x, targets) for x in shapes.layers)
     largest_weight = max(lin.weight_numel for x in shapes.layers for lin in x.linears)
 
     resident_params = (
@@ -334,12 +351,12 @@ def plan_memory(
     def streamed(bs: int) -> tuple[int, int, int]:
         starts = range(0, n, bs)
         block_bytes = max(sum(layer_q[s : s + bs]) for s in starts)
-        act = len(starts) * boundary_all + max(sum(layer_act[s : s + bs]) for s in starts) + common_all
+        act = len(starts) * boundary_all + max(sum(layer_act[s : s + bs]) for s in starts) + transient + common_all
         return block_bytes, act, resident + lora + max(2, prefetch + 1) * block_bytes + act
 
     per_block, act_streamed, streamed_min = streamed(block_size)
-    act_resident = sum(layer_act) + common
-    act_resident_gc = n * boundary + max(layer_act) + common
+    act_resident = sum(layer_act) + transient + common
+    act_resident_gc = n * boundary + max(layer_act) + transient + common
     base = sum(layer_q)
     resident_vram = base + resident + lora + act_resident
     resident_vram_gc = base + resident + lora + act_resident_gc
@@ -385,7 +402,7 @@ def plan_memory(
         max_block_size=max_block,
         notes=shapes.notes,
         activation_layer_bytes=k * max(layer_act),
-        recompute_layer_bytes=max(layer_act),
+        recompute_layer_bytes=max(layer_act) + transient,
         loss_chunk_tokens=loss_chunk_tokens,
         logits_bytes=logits_all,
         micro_batches=micro_batches,
