@@ -278,6 +278,19 @@ def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     assert not tied.embeddings_on_host and not tied.head_on_host and tied.optimizer_on_host
 
 
+def test_a_running_layer_holds_its_widest_adapted_projections_fp32_lora_output():
+    """The 7B minimum plan at seq 4096 (4 x 4 rows) ran out of memory in PEFT's fp32 ``lora_B(...) * scaling`` of the
+    MLP's 18944-wide projections (docs/benchmarks/recipes.jsonl): the layer that runs holds one such output."""
+    cfg = known_config("Qwen/Qwen2.5-7B")
+    tokens = 4 * 4096
+    full = plan_memory(cfg, seq_len=4096, batch_size=4)
+    attention = plan_memory(cfg, seq_len=4096, batch_size=4, lora_targets=["q_proj", "v_proj"])
+    bare = plan_memory(cfg, seq_len=4096, batch_size=4, lora_targets=[])
+    assert full.recompute_layer_bytes - full.activation_layer_bytes == tokens * 4 * 18944  # gate/up/down's widest
+    assert attention.recompute_layer_bytes - attention.activation_layer_bytes == tokens * 4 * 3584  # q_proj's out
+    assert bare.recompute_layer_bytes == bare.activation_layer_bytes  # no adapter: no fp32 LoRA output
+
+
 def test_a_chunked_loss_budgets_one_chunk_of_logits():
     """loss_chunk_tokens: the logits term is 10 bytes x min(tokens, chunk) x vocabulary, in every mode."""
     full = plan_memory(QWEN25_7B, seq_len=2048)
