@@ -10,7 +10,7 @@ import yaml
 from conftest import tiny_config
 
 from poros_lightning.tools.bench.cli import main
-from poros_lightning.tools.bench.memtrace import NO_FRAME, label, peak_breakdown
+from poros_lightning.tools.bench.memtrace import MARKER, NO_FRAME, label, peak_breakdown
 
 NORM = [
     {"filename": "/x/site-packages/torch/_tensor.py", "line": 5, "name": "to"},
@@ -66,6 +66,16 @@ def test_the_peak_and_what_was_alive_there_by_where_it_was_allocated() -> None:
     late = [_alloc(1, 100, HEAD), {"action": "free_requested", "addr": 1, "size": 100}, _alloc(2, 80, HEAD),
             {"action": "free_completed", "addr": 1, "size": 100}]  # fmt: skip
     assert peak_breakdown(late, baseline=0)["peak_gb"] == round(100 / 1e9, 4)
+
+    # Phase marks (one-element allocations from MARKER) name the phase of the peak and weigh nothing.
+    def mark(addr: int) -> list[dict]:
+        return [_alloc(addr, 512, [{"filename": "/w/memtrace.py", "line": 1, "name": MARKER}]), *_free(addr, 512)]
+
+    phased = [*mark(90), _alloc(1, 100, HEAD), *mark(91), *_free(1, 100), *mark(92), _alloc(2, 300, NORM), *mark(93)]
+    out = peak_breakdown(phased, baseline=0)
+    assert out["phase"] == "update" and out["peak_gb"] == round(300 / 1e9, 4)
+    assert peak_breakdown(phased[:8], baseline=0)["phase"] == "forward"  # the peak before the second mark
+    assert peak_breakdown(trace, baseline=1000)["phase"] is None  # no marks: no phase
     # Nothing above the baseline: the peak is what was there before.
     quiet = peak_breakdown([*_free(9, 50)], baseline=1000)
     assert quiet["peak_gb"] == round(1000 / 1e9, 4) and quiet["top"] == [
@@ -95,11 +105,12 @@ def test_memtrace_is_cuda_only_and_the_report_prints_traced_rows(tmp_path: Path,
         "s_per_step": 1.0,
         "final_planned_peak_gb": 1.869,
         "memtrace_peak_gb": 1.97,
+        "memtrace_phase": "update",
         "memtrace_top": [{"where": "before the step", "gb": 1.5, "count": 0}, {"where": "a|b", "gb": 0.12, "count": 3}],
     }
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps(row) + "\n" + json.dumps(traced) + "\n")
     assert main(["report", str(rows), "--memtrace", "-o", str(tmp_path / "r.html")]) == 0
     out = capsys.readouterr().out
-    assert "| 7B | 512 | poros_min | 1.970 | 1.869 | `before the step` | 1.500 | 0 |" in out
-    assert "|  |  |  |  |  | `a/b` | 0.120 | 3 |" in out
+    assert "| 7B | 512 | poros_min | 1.970 | update | 1.869 | `before the step` | 1.500 | 0 |" in out
+    assert "|  |  |  |  |  |  | `a/b` | 0.120 | 3 |" in out

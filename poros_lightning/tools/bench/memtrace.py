@@ -13,6 +13,12 @@ Note: [grouping]
     ``linear.py:134 forward < chunked_loss.py:120 logits`` for a chunk's logits. Allocations the autograd engine makes outside Python (most of a
     backward's gradients) have no Python frame: they are one group, ``(autograd engine, no Python frame)``. The
     largest groups at the peak are what a memory estimate must count.
+
+Note: [phases]
+    The step calls ``mark()`` at each phase boundary (before its forward, after it, after its backward, after its
+    update: the bench's step loop does). Each mark allocates one element from :data:`MARKER`, so the boundary is an
+    event of the trace itself, in its order, whatever clock the allocator keeps; the replay counts these events,
+    leaves them out of the bytes, and names the phase the peak fell in.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["NO_FRAME", "label", "peak_breakdown", "record_step"]
+__all__ = ["MARKER", "NO_FRAME", "PHASES", "label", "peak_breakdown", "record_step"]
 
 NO_FRAME = "(autograd engine, no Python frame)"
+MARKER = "_memtrace_phase_marker"
+"""The function whose one-element allocation marks a phase boundary in the trace (Note: [phases])."""
+PHASES = ("forward", "backward", "update")
 BEFORE = "before the step"
 
 
@@ -47,15 +56,21 @@ def label(frames: Iterable[Mapping[str, Any]]) -> str:
     return " < ".join(parts)
 
 
+def _is_marker(event: Mapping[str, Any]) -> bool:
+    return event.get("action") == "alloc" and any(f.get("name") == MARKER for f in event.get("frames", ())[:4])
+
+
 def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12) -> dict[str, Any]:
     """The allocated peak of ``trace`` (one device's events) over ``baseline`` bytes allocated before it, and what
     was alive there, grouped (Note: [grouping]).
 
     Returns:
         ``peak_gb`` (allocated at the peak), ``before_gb`` (of it, allocated before the trace), ``events`` (the
-        trace's length) and ``top``: the ``top`` largest groups at the peak, each ``{"where", "gb", "count"}``,
-        largest first (``before the step`` among them).
+        trace's length), ``phase`` (of :data:`PHASES`, the one the peak fell in, when the trace has phase marks;
+        else None) and ``top``: the ``top`` largest groups at the peak, each ``{"where", "gb", "count"}``, largest
+        first (``before the step`` among them).
     """
+    markers: set[int] = set()
 
     def replay(stop: int | None) -> tuple[int, int, dict[int, tuple[int, str]], int]:
         live: dict[int, tuple[int, str]] = {}
@@ -65,6 +80,12 @@ def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12)
             if stop is not None and i > stop:
                 break
             action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
+            if _is_marker(event):
+                markers.add(addr)
+                continue
+            if action == "free_requested" and addr in markers:
+                markers.discard(addr)
+                continue
             if action == "alloc":
                 live[addr] = (size, label(event.get("frames", ())) if stop is not None else "")
                 current += size
@@ -79,6 +100,8 @@ def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12)
         return peak, before, live, at
 
     peak, _, _, at = replay(None)
+    marks = sum(1 for event in trace[: max(at, 0) + 1] if _is_marker(event))
+    phase = PHASES[marks - 1] if at >= 0 and 1 <= marks <= len(PHASES) else None
     if at < 0:  # nothing in the trace went above the baseline
         groups: dict[str, list[int]] = {BEFORE: [baseline, 0]}
         before = baseline
@@ -94,17 +117,21 @@ def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12)
         "peak_gb": round(peak / 1e9, 4),
         "before_gb": round(before / 1e9, 4),
         "events": len(trace),
+        "phase": phase,
         "top": [{"where": where, "gb": round(b / 1e9, 4), "count": n} for where, (b, n) in ranked],
     }
 
 
-def record_step(step: Callable[[], None], max_entries: int = 2_000_000) -> dict[str, Any]:
-    """Run ``step()`` once (CUDA) under the allocator's history and return :func:`peak_breakdown` of it.
+def record_step(step: Callable[[Callable[[], None]], None], max_entries: int = 2_000_000) -> dict[str, Any]:
+    """Run ``step(mark)`` once (CUDA) under the allocator's history and return :func:`peak_breakdown` of it.
 
-    The history holds every allocation and free of the step with its Python stack; it is switched off and dropped
-    afterwards.
+    ``step`` calls ``mark()`` at its phase boundaries (Note: [phases]). The history holds every allocation and free
+    of the step with its Python stack; it is switched off and dropped afterwards.
     """
     import torch
+
+    def _memtrace_phase_marker() -> None:  # the name is MARKER: its allocation is the boundary
+        torch.empty(1, device="cuda")
 
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
@@ -113,7 +140,7 @@ def record_step(step: Callable[[], None], max_entries: int = 2_000_000) -> dict[
         "all", context="alloc", stacks="python", max_entries=max_entries, clear_history=True
     )
     try:
-        step()
+        step(_memtrace_phase_marker)
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
