@@ -106,11 +106,56 @@ def test_memtrace_is_cuda_only_and_the_report_prints_traced_rows(tmp_path: Path,
         "final_planned_peak_gb": 1.869,
         "memtrace_peak_gb": 1.97,
         "memtrace_phase": "update",
+        "memtrace_max_allocated_gb": 2.01,
         "memtrace_top": [{"where": "before the step", "gb": 1.5, "count": 0}, {"where": "a|b", "gb": 0.12, "count": 3}],
     }
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps(row) + "\n" + json.dumps(traced) + "\n")
     assert main(["report", str(rows), "--memtrace", "-o", str(tmp_path / "r.html")]) == 0
     out = capsys.readouterr().out
-    assert "| 7B | 512 | poros_min | 1.970 | update | 1.869 | `before the step` | 1.500 | 0 |" in out
-    assert "|  |  |  |  |  |  | `a/b` | 0.120 | 3 |" in out
+    assert "| 7B | 512 | poros_min | 1.970 | 2.010 | update | 1.869 | `before the step` | 1.500 | 0 |" in out
+    assert "|  |  |  |  |  |  |  | `a/b` | 0.120 | 3 |" in out
+
+
+def test_record_step_keeps_the_allocators_peak_across_the_steps_resets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's step resets the peak statistics at each phase; the step's allocator peak is their maximum, and the
+    history and the reset function are given back even when the step raises."""
+    import torch
+
+    from poros_lightning.tools.bench import memtrace
+
+    state = {"max": 0, "history": None, "resets": 0}
+    trace = [_alloc(1, 700, HEAD), *_free(1, 700)]
+    original = torch.cuda.reset_peak_memory_stats
+
+    def fake_reset(*_args: object, **_kwargs: object) -> None:
+        state["resets"] += 1
+        state["max"] = 0
+
+    def history(enabled: object, *_args: object, **_kwargs: object) -> None:
+        state["history"] = enabled
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake_reset)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: state["max"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", history)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace]})
+
+    def step(mark: object) -> None:
+        state["max"] = 2048  # the forward's peak, then the step's own reset at the phase boundary
+        torch.cuda.reset_peak_memory_stats()
+        state["max"] = 1700
+
+    out = memtrace.record_step(step)
+    assert out["max_allocated_gb"] == round(2048 / 1e9, 4) and out["peak_gb"] == round(1700 / 1e9, 4)
+    assert torch.cuda.reset_peak_memory_stats is fake_reset and state["history"] is None
+
+    def failing(mark: object) -> None:
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        memtrace.record_step(failing)
+    assert torch.cuda.reset_peak_memory_stats is fake_reset and state["history"] is None
+    assert original is not fake_reset

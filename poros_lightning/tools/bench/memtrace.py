@@ -4,7 +4,10 @@ Invariant: every figure is read from the allocator's own record of the step (``t
 trace of ``alloc`` and ``free_requested`` events); nothing is estimated. A block counts from its ``alloc`` to its
 ``free_requested``, as the allocator's ``allocated_bytes`` statistic (``max_memory_allocated``) counts it: a block
 freed while a side stream may still use it (``record_stream``) is only reused after that stream's event, and its
-``free_completed`` comes later, but it is no longer allocated. Memory allocated before the step and still alive at
+``free_completed`` comes later, but it is no longer allocated. The trace gives the sizes asked for; the statistic
+counts the blocks the allocator handed out, rounded up, and a large block whose remainder would be 1 MB or less is
+not split. So the step's ``max_memory_allocated`` is recorded beside the trace's peak (``max_allocated_gb``): the
+difference is what the allocator's block sizes add. Memory allocated before the step and still alive at
 the peak is one group (``before the step``): the trace does not say where it came from.
 
 Note: [grouping]
@@ -133,19 +136,31 @@ def record_step(step: Callable[[Callable[[], None]], None], max_entries: int = 2
     def _memtrace_phase_marker() -> None:  # the name is MARKER: its allocation is the boundary
         torch.empty(1, device="cuda")
 
+    # The step may reset the peak statistics at its phase boundaries (the bench's step loop does): keep their maximum.
+    seen = [0]
+    reset = torch.cuda.reset_peak_memory_stats
+
+    def keep_and_reset(*args: Any, **kwargs: Any) -> None:
+        seen[0] = max(seen[0], torch.cuda.max_memory_allocated())
+        reset(*args, **kwargs)
+
     torch.cuda.synchronize()
+    reset()
     baseline = torch.cuda.memory_allocated()
     device = torch.cuda.current_device()
     torch.cuda.memory._record_memory_history(
         "all", context="alloc", stacks="python", max_entries=max_entries, clear_history=True
     )
+    torch.cuda.reset_peak_memory_stats = keep_and_reset
     try:
         step(_memtrace_phase_marker)
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
+        torch.cuda.reset_peak_memory_stats = reset
         torch.cuda.memory._record_memory_history(None)
     trace = snapshot["device_traces"][device]
     result = peak_breakdown(trace, baseline)
+    result["max_allocated_gb"] = round(max(seen[0], torch.cuda.max_memory_allocated()) / 1e9, 4)
     result["truncated"] = len(trace) >= max_entries  # the history kept only the last max_entries events
     return result

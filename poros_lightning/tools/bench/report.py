@@ -168,15 +168,16 @@ def memtrace_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of what each row run with ``bench run --memtrace`` had allocated at its step's peak, by where
     it was allocated, beside the row's estimate (``final_planned_peak_gb``, else ``planned_peak_gb``)."""
     lines = [
-        "| scale | seq | method | peak GB | phase | planned GB | where | GB | tensors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| scale | seq | method | peak GB (asked) | allocator peak GB | phase | planned GB | where | GB | tensors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "memtrace_top" not in row:
             continue
         planned = row.get("final_planned_peak_gb", row.get("planned_peak_gb"))
         head = [str(row.get("scale")), str(row.get("seq_len")), str(row.get("method"))]
-        head += [_fmt(row.get("memtrace_peak_gb")), _fmt(row.get("memtrace_phase")), _fmt(planned)]
+        head += [_fmt(row.get("memtrace_peak_gb")), _fmt(row.get("memtrace_max_allocated_gb"))]
+        head += [_fmt(row.get("memtrace_phase")), _fmt(planned)]
         for i, group in enumerate(row["memtrace_top"]):
             first = head if i == 0 else [""] * len(head)
             where = str(group["where"]).replace("|", "/")
