@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import tiny_config
+from test_bench import _one_step_config
 
 from poros_lightning.tools.bench.cli import main
 from poros_lightning.tools.bench.memtrace import MARKER, NO_FRAME, label, peak_breakdown
@@ -84,17 +83,7 @@ def test_the_peak_and_what_was_alive_there_by_where_it_was_allocated() -> None:
 
 
 def test_memtrace_is_cuda_only_and_the_report_prints_traced_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    cfg = {
-        "model_config": tiny_config(),
-        "seq_lens": [8],
-        "lora_r": 4,
-        "steps": 1,
-        "warmup": 1,
-        "runs": [{"method": "poros"}],
-        "out": str(tmp_path / "bench.jsonl"),
-    }
-    path = tmp_path / "bench.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = _one_step_config(tmp_path, runs=[{"method": "poros"}])
     assert main(["run", str(path), "--memtrace"]) == 0
     (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
     assert row["s_per_step"] > 0 and not any(k.startswith("memtrace_") for k in row)  # on CPU: none made up

@@ -224,19 +224,15 @@ def step_loop(
         counts["head_loads"] = head.loads
     if host is not None and counts is not None:
         counts["optimizer_prefetches"] = host.prefetches
-    if profile is not None and cuda and batches:
+    if cuda and batches and (profile is not None or memtrace is not None):
+        from poros_lightning.tools.bench.memtrace import record_step
         from poros_lightning.tools.bench.timeline import profile_step
 
         ids = batches[-1].to(device)
         kept = dict(phases)  # the peaks are the timed steps'
-        profile.update(profile_step(lambda mark: step(ids, mark)))
-        phases.update(kept)
-    if memtrace is not None and cuda and batches:
-        from poros_lightning.tools.bench.memtrace import record_step
-
-        ids = batches[-1].to(device)
-        kept = dict(phases)
-        memtrace.update(record_step(lambda mark: step(ids, mark)))
+        for sink, run_once in ((profile, profile_step), (memtrace, record_step)):
+            if sink is not None:  # one more step each, after the timed ones
+                sink.update(run_once(lambda mark: step(ids, mark)))
         phases.update(kept)
     if host is not None:
         host.close()
