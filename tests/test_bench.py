@@ -225,6 +225,40 @@ def test_timeline_splits_idle_time_into_link_and_host_waits() -> None:
     assert set(named["kernel_groups"]) == {"nf4 dequantize", "norm, softmax, loss"}
 
 
+def test_host_figures_name_the_calls_and_functions_that_spent_the_time() -> None:
+    import cProfile
+    import pstats
+
+    from poros_lightning.tools.bench.report import host_table
+    from poros_lightning.tools.bench.timeline import host_summary, runtime_summary
+
+    sync, launch = "cudaStreamSynchronize", "cudaLaunchKernel"
+    trace = {"traceEvents": [*({"ph": "X", "cat": "cuda_runtime", "name": launch, "ts": t, "dur": 5} for t in range(3)),
+                             {"ph": "X", "cat": "cuda_runtime", "name": sync, "ts": 9, "dur": 400},
+                             _event("kernel", "gemm", 0, 900, 7)]}  # fmt: skip
+    calls = runtime_summary(trace)["runtime_calls"]  # host API calls only, most time first
+    assert calls == [{"name": sync, "s": pytest.approx(400e-6), "count": 1},
+                     {"name": launch, "s": pytest.approx(15e-6), "count": 3}]  # fmt: skip
+
+    def busy() -> int:
+        return sum(i * i for i in range(200_000))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    busy()
+    busy()
+    prof.disable()
+    host = host_summary(pstats.Stats(prof), top=50)
+    mine = [e for e in host["host_cumulative"] if e["name"].endswith("(busy)")]
+    assert len(mine) == 1 and mine[0]["calls"] == 2 and mine[0]["s"] > 0
+    assert "tests/test_bench.py" in mine[0]["name"] or "test_bench.py" in mine[0]["name"]
+    assert [e["s"] for e in host["host_self"]] == sorted((e["s"] for e in host["host_self"]), reverse=True)
+    row = {"scale": "7B", "seq_len": 512, "method": "poros", "profile_runtime_calls": calls,
+           **{f"profile_{k}": v for k, v in host.items()}}  # fmt: skip
+    table = host_table([row, {"method": "resident"}], top=1)
+    assert table.count("\n") == 1 + 3 and f"`{sync}`" in table and "| runtime |" in table and "(busy)" in table
+
+
 def test_profile_is_cuda_only(tmp_path: Path) -> None:
     path = _one_step_config(tmp_path, runs=[{"method": "poros"}])
     assert main(["run", str(path), "--profile"]) == 0

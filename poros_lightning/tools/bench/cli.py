@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--profile",
         action="store_true",
-        help="profile one more step per run (CUDA) and add where its GPU time went to the row (profile_* fields)",
+        help="profile two more steps per run (CUDA): where one's GPU time went, and where the other's host time went "
+        "(CUDA API calls, Python functions); added to the row as profile_* fields",
     )
     run.add_argument(
         "--memtrace",
@@ -311,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         "--where", action="append", default=[], metavar="KEY=VALUE", help="keep rows whose field KEY is VALUE"
     )
     rep.add_argument(
-        "--profile", action="store_true", help="also print the per-phase profile of rows run with `bench run --profile`"
+        "--profile",
+        action="store_true",
+        help="also print the per-phase profile, kernels and host time of rows run with `bench run --profile`",
     )
     rep.add_argument(
         "--memtrace", action="store_true", help="also print what was allocated at the peak of rows run with --memtrace"
@@ -380,12 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(ratio_table(rows, args.ratio_to))
     if args.profile:
-        from poros_lightning.tools.bench.report import kernel_table
+        from poros_lightning.tools.bench.report import host_table, kernel_table
 
         print()
         print(profile_table(rows))
         print()
         print(kernel_table(rows))
+        print()
+        print(host_table(rows))
     if args.memtrace:
         from poros_lightning.tools.bench.report import memtrace_table
 

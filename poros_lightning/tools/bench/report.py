@@ -12,6 +12,7 @@ from typing import Any
 from poros_lightning.tools.bench.sweep import sweep_html, sweep_table
 
 __all__ = [
+    "host_table",
     "load_rows",
     "markdown_table",
     "memtrace_table",
@@ -161,6 +162,24 @@ def kernel_table(rows: list[dict[str, Any]], top: int = 5) -> str:
         for i, (name, seconds, count) in enumerate(entries):
             first = head if i == 0 else [""] * len(head)
             lines.append("| " + " | ".join([*first, name, _fmt(float(seconds)), count]) + " |")
+    return "\n".join(lines)
+
+
+def host_table(rows: list[dict[str, Any]], top: int = 8) -> str:
+    """A Markdown table of where the host's time went in the profiled step of every row that has one: its ``top``
+    CUDA API calls (``runtime``), Python functions by self time (``self``) and by time inside them (``cumulative``).
+    Rows profiled alike compare; the Python profiler's own overhead is in every figure."""
+    lines = ["| scale | seq | method | list | call or function | host s | calls |", "|---|---|---|---|---|---|---|"]
+    lists = (("runtime", "profile_runtime_calls", "count"), ("self", "profile_host_self", "calls"),
+             ("cumulative", "profile_host_cumulative", "calls"))  # fmt: skip
+    for row in rows:
+        entries = [(label, e) for label, key, _ in lists for e in (row.get(key) or [])[:top]]
+        counts = {label: count for label, _, count in lists}
+        head = [str(row.get("scale")), str(row.get("seq_len")), str(row.get("method"))]
+        for i, (label, e) in enumerate(entries):
+            first = head if i == 0 else [""] * len(head)
+            name = f"`{str(e['name']).replace('|', '/')}`"
+            lines.append("| " + " | ".join([*first, label, name, _fmt(float(e["s"])), str(e[counts[label]])]) + " |")
     return "\n".join(lines)
 
 

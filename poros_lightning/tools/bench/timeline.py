@@ -20,7 +20,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MARKER", "KERNEL_GROUPS", "kernel_summary", "summarize_trace", "profile_step"]
+__all__ = [
+    "MARKER",
+    "KERNEL_GROUPS",
+    "kernel_summary",
+    "runtime_summary",
+    "host_summary",
+    "summarize_trace",
+    "profile_step",
+]
 
 MARKER = "spin_kernel"
 """Name of the kernel ``torch.cuda._sleep`` launches: the phase boundaries of a profiled step."""
@@ -112,6 +120,47 @@ def kernel_summary(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
     }
 
 
+def runtime_summary(trace: dict[str, Any], top: int = 12) -> dict[str, Any]:
+    """What the host spent inside the CUDA runtime and driver during a step: ``runtime_calls``, the ``top`` API
+    calls of most total host time, each ``{"name", "s", "count"}``. Launches show the launch count; a
+    synchronization (``cudaStreamSynchronize``, ``cudaEventSynchronize``, a ``cudaMemcpy`` to pageable memory) or an
+    allocation (``cudaMalloc``, ``cudaFree``, ``cudaHostAlloc``) shows where the host waited on the GPU or the
+    driver instead of running ahead of it."""
+    by_name: dict[str, list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        entry = by_name.setdefault(str(e.get("name", ""))[:100], [0.0, 0])
+        entry[0] += float(e.get("dur", 0)) / 1e6
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"runtime_calls": [{"name": n, "s": round(t, 6), "count": int(c)} for n, (t, c) in ranked]}
+
+
+def host_summary(stats: Any, top: int = 20) -> dict[str, Any]:
+    """Where the host's Python time went in a step, from a ``pstats.Stats``: ``host_self`` (the ``top`` functions of
+    most time spent in themselves) and ``host_cumulative`` (of most time inside them and what they called), each
+    ``{"name", "s", "calls"}`` with ``name`` as ``file:line(function)``, the file shortened to its package path.
+    A launch-bound step's extra host time shows here by the function that spends it (profiler overhead included:
+    compare rows profiled alike, not seconds against ``s_per_step``)."""
+
+    def name(key: tuple[str, int, str]) -> str:
+        file, line, func = key
+        for root in ("site-packages/", "poros_lightning/", "lib/python"):
+            if root in file:
+                file = file[file.index(root) + (len(root) if root != "poros_lightning/" else 0) :]
+                break
+        return f"{file}:{line}({func})" if line else func
+
+    table = stats.stats  # {key: (primitive calls, calls, self seconds, cumulative seconds, callers)}
+
+    def ranked(column: int) -> list[dict[str, Any]]:
+        keys = sorted(table, key=lambda k: -table[k][column])[:top]
+        return [{"name": name(k)[:140], "s": round(table[k][column], 6), "calls": int(table[k][1])} for k in keys]
+
+    return {"host_self": ranked(2), "host_cumulative": ranked(3)}
+
+
 def summarize_trace(
     trace: dict[str, Any], phases: tuple[str, ...] = ("forward", "backward", "update")
 ) -> dict[str, Any]:
@@ -171,11 +220,15 @@ def summarize_trace(
 
 def profile_step(step: Callable[[Callable[[], None]], None]) -> dict[str, Any]:
     """Run ``step(mark)`` once under the CUDA profiler and summarize it (:func:`summarize_trace`, and
-    :func:`kernel_summary` of the whole step).
+    :func:`kernel_summary` and :func:`runtime_summary` of the whole step); then once more under Python's profiler
+    (:func:`host_summary`, its own step: its overhead leaves the CUDA figures alone).
 
     ``step`` calls ``mark()`` at each phase boundary (four times: before the forward, after it, after
     the backward, after the update); ``mark`` queues a marker kernel on the current stream.
     """
+    import cProfile
+    import pstats
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,4 +243,10 @@ def profile_step(step: Callable[[Callable[[], None]], None]) -> dict[str, Any]:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    return {**summarize_trace(trace), **kernel_summary(trace)}
+    summary = {**summarize_trace(trace), **kernel_summary(trace), **runtime_summary(trace)}
+    host = cProfile.Profile()
+    host.enable()
+    step(lambda: None)
+    torch.cuda.synchronize()
+    host.disable()
+    return {**summary, **host_summary(pstats.Stats(host))}
