@@ -13,8 +13,8 @@ Note: [ordered gradient sum]
     Within one backward, autograd adds the gradient contributions a parameter receives from the ``k``
     chunks in the order its scheduler happens to run them; float addition is not associative, so for
     ``k >= 3`` the bytes would depend on that schedule. Instead each chunk reads each trainable
-    parameter through :class:`_Capture`, an identity whose backward stores that chunk's gradient and
-    passes nothing on; :meth:`MicroBatches.accumulate`, queued by the first capture to run when the
+    parameter through :class:`_Capture`, an identity (one per module and chunk, over all its trainable
+    parameters) whose backward stores that chunk's gradients and passes nothing on; :meth:`MicroBatches.accumulate`, queued by the first capture to run when the
     backward ends (so ``.grad`` is complete for ``on_after_backward`` and for plain loops alike), then adds
     the stored gradients into ``.grad`` in micro-batch order, ``grad = g_1``, ``grad += g_2``, ...,
     exactly the additions layer-major accumulation performs.
@@ -124,29 +124,35 @@ def micro_batch_mean(
 
 
 class _Capture(torch.autograd.Function):
-    """Identity on a parameter; the backward stores the incoming gradient instead of passing it on."""
+    """Identity on the trainable parameters one module reads in one micro-batch (one node for all of them: the host
+    makes one call per module and micro-batch, not one per parameter); the backward stores each incoming gradient
+    instead of passing it on."""
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, splitter: MicroBatches, key: tuple[int, int]) -> torch.Tensor:
-        ctx.splitter, ctx.key = splitter, key
-        return param.view_as(param)
+    def forward(ctx: Any, splitter: MicroBatches, chunk: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.splitter, ctx.chunk, ctx.ids = splitter, chunk, tuple(id(p) for p in params)
+        ctx.set_materialize_grads(False)  # a parameter this micro-batch did not differentiate: None, not zeros
+        return tuple(p.view_as(p) for p in params)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        splitter, store = ctx.splitter, ctx.splitter.store
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        splitter, store, chunk = ctx.splitter, ctx.splitter.store, ctx.chunk
         if not splitter.queued:  # whoever runs this backward, .grad is complete when it returns
             torch.autograd.Variable._execution_engine.queue_callback(splitter.accumulate)
             splitter.queued = True
-        if ctx.key in store:  # the same micro-batch read the parameter twice: autograd order, as resident
-            store[ctx.key] = store[ctx.key] + grad
-        else:
-            store[ctx.key] = grad
-        pid = ctx.key[0]
-        left = splitter.pending.get(pid, 0) - 1
-        splitter.pending[pid] = left
-        if left == 0:  # Note: [a parameter's sum when its last gradient arrives]
-            splitter.add_into_grad(splitter._by_id[pid])
-        return None, None, None
+        for pid, grad in zip(ctx.ids, grads, strict=True):
+            if grad is None:  # left to the end of the backward, as a capture whose backward never runs
+                continue
+            key = (pid, chunk)
+            if key in store:  # the same micro-batch read the parameter twice: autograd order, as resident
+                store[key] = store[key] + grad
+            else:
+                store[key] = grad
+            left = splitter.pending.get(pid, 0) - 1
+            splitter.pending[pid] = left
+            if left == 0:  # Note: [a parameter's sum when its last gradient arrives]
+                splitter.add_into_grad(splitter._by_id[pid])
+        return (None, None, *(None for _ in grads))
 
 
 class MicroBatches:
@@ -254,14 +260,15 @@ class MicroBatches:
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         try:
             for owner, name in found:
-                p = owner._parameters.pop(name)
-                owner.__dict__[name] = _Capture.apply(p, self, (id(p), chunk))
+                swapped.append((owner, name, owner._parameters.pop(name)))
+            views = _Capture.apply(self, chunk, *(p for _, _, p in swapped)) if swapped else ()
+            for (owner, name, p), view in zip(swapped, views, strict=True):
+                owner.__dict__[name] = view
                 self.pending[id(p)] = self.pending.get(id(p), 0) + 1
-                swapped.append((owner, name, p))
             yield
         finally:
             for owner, name, p in swapped:
-                del owner.__dict__[name]
+                owner.__dict__.pop(name, None)
                 owner._parameters[name] = p
 
     @contextlib.contextmanager
