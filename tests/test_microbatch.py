@@ -96,6 +96,25 @@ def test_a_parameters_gradients_are_summed_when_its_last_one_arrives(monkeypatch
     assert most and max(most) <= K * per_layer < K * trained, (max(most), K * trained)
 
 
+def test_one_capture_per_layer_and_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host makes one capture call per module and micro-batch (all its LoRA tensors at once), not one per tensor:
+    at one sample per micro-batch the step is bound by such host calls."""
+    import poros_lightning.engine.microbatch as mb
+
+    sizes: list[int] = []
+    backward = mb._Capture.backward
+
+    def counting(ctx, *grads):  # noqa: ANN001, ANN002, ANN202
+        sizes.append(len(grads))
+        return backward(ctx, *grads)
+
+    monkeypatch.setattr(mb._Capture, "backward", staticmethod(counting))
+    ref, _ = _layer_major()
+    got, _ = _block_major()
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
+    assert len(sizes) == 4 * K and sum(sizes) == K * len(ref)  # 4 layers x K micro-batches, every LoRA tensor
+
+
 def test_block_major_with_the_head_in_host_memory() -> None:
     """The head's weight is copied in per use; each micro-batch's backward unpacks its own copy."""
     ref, _ = _layer_major()
