@@ -82,9 +82,9 @@ def test_a_parameters_gradients_are_summed_when_its_last_one_arrives(monkeypatch
     most: list[int] = []
     keep = mb.MicroBatches.add_into_grad
 
-    def counting(self, p):  # noqa: ANN001, ANN202
+    def counting(self, *params):  # noqa: ANN001, ANN002, ANN202
         most.append(len(self.store))
-        keep(self, p)
+        keep(self, *params)
 
     monkeypatch.setattr(mb.MicroBatches, "add_into_grad", counting)
     ref, _ = _layer_major()
