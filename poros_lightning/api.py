@@ -213,6 +213,14 @@ def prepare(
     base = _base(model)
     spec = arch_for_model(base, allow_unlisted=allow_unlisted_arch)
     layers = list(resolve(base, spec.layers))
+    if getattr(base, "_require_grads_hooks", None):
+        log.warning(
+            "poros: the input embeddings make their output require grad (enable_input_require_grads, which "
+            "gradient checkpointing and prepare_model_for_kbit_training turn on): the backward computes a gradient "
+            "of that output which nothing reads and keeps it beside the output until the graph is freed, 2 x tokens "
+            "x hidden bytes that memory plans do not count. Streamed layers do not need it: call "
+            "model.disable_input_require_grads() before prepare()."
+        )
     options = EngineOptions(
         block_size=block_size,
         prefetch=prefetch,

@@ -259,6 +259,24 @@ def test_host_figures_name_the_calls_and_functions_that_spent_the_time() -> None
     assert table.count("\n") == 1 + 3 and f"`{sync}`" in table and "| runtime |" in table and "(busy)" in table
 
 
+def test_runs_after_resident_gc_do_not_inherit_its_input_grads_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointing makes the embeddings' output require grad (a forward hook); a later run on the same model would
+    hold that output and its gradient through its update, memory its plan does not count."""
+    from poros_lightning.tools.bench import harness
+
+    hooks: list[int] = []
+    step_loop = harness.step_loop
+
+    def counting(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        hooks.append(len(model.get_base_model().get_input_embeddings()._forward_hooks))
+        return step_loop(model, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "step_loop", counting)
+    runs = [{"method": "resident_gc"}, {"method": "poros"}, {"method": "resident_gc"}]
+    harness.bench_methods(tiny_config(), runs, seq_len=8, lora_r=4, steps=1, warmup=1)
+    assert hooks == [1, 0, 1]
+
+
 def test_profile_is_cuda_only(tmp_path: Path) -> None:
     path = _one_step_config(tmp_path, runs=[{"method": "poros"}])
     assert main(["run", str(path), "--profile"]) == 0

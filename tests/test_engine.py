@@ -467,3 +467,18 @@ def test_kept_activations_with_compiled_layers() -> None:
     ref = train_loop(compiled(), steps=2)
     got = train_loop(prepare(compiled(), device="cpu", keep_activations=4), steps=2)
     assert differences(ref, got) == {"loss": 0, "grads": 0, "adapter": 0, "optim": 0}
+
+
+def test_an_input_grads_hook_is_named_with_its_fix(caplog: pytest.LogCaptureFixture) -> None:
+    """enable_input_require_grads makes the backward compute and keep a gradient nobody reads; prepare() says so."""
+    model = build_peft_model(lora_dropout=0.0)
+    model.enable_input_require_grads()
+    with caplog.at_level("WARNING", logger="poros_lightning.api"):
+        prepare(model, device="cpu")
+    assert "model.disable_input_require_grads()" in caplog.text
+    unprepare(model)
+    model.disable_input_require_grads()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="poros_lightning.api"):
+        prepare(model, device="cpu")
+    assert "require grad" not in caplog.text
