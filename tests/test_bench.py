@@ -277,11 +277,29 @@ def test_runs_after_resident_gc_do_not_inherit_its_input_grads_hook(monkeypatch:
     assert hooks == [1, 0, 1]
 
 
+def test_gc_timer_counts_the_collections_while_on() -> None:
+    import gc
+
+    from poros_lightning.tools.bench.steps import gc_timer
+
+    sink: dict = {}
+    with gc_timer(sink) as timing:
+        gc.collect()  # off: not counted
+        timing(True)
+        gc.collect()
+        gc.collect(0)
+        timing(False)
+        gc.collect()
+    assert sink["gc_collections"] == [1, 0, 1] and sink["gc_seconds"][2] > 0
+    assert all(cb.__name__ != "callback" for cb in gc.callbacks)  # removed on exit
+
+
 def test_profile_is_cuda_only(tmp_path: Path) -> None:
     path = _one_step_config(tmp_path, runs=[{"method": "poros"}])
     assert main(["run", str(path), "--profile"]) == 0
     (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
     assert row["s_per_step"] > 0 and not any(k.startswith("profile_") for k in row)  # on CPU: none made up
+    assert row["gc_s_per_step"] >= 0 and row["gc_full_per_step"] >= 0  # the collector, on any device
 
 
 def test_report_prints_the_profile_of_profiled_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -369,6 +369,9 @@ def bench_methods(
                 **{f"profile_{k}": v for k, v in (profiled or {}).items()},
                 **{f"memtrace_{k}": v for k, v in (traced or {}).items()},
             )
+            if "gc_seconds" in counts:  # Python's collector in the timed steps (steps.gc_timer)
+                row.update(gc_s_per_step=sum(counts["gc_seconds"]) / len(times),
+                           gc_full_per_step=counts["gc_collections"][2] / len(times))  # fmt: skip
             if "optimizer_prefetches" in counts:
                 row["optimizer_prefetches_per_step"] = counts["optimizer_prefetches"] / (warmup + steps)
             if engine is not None:

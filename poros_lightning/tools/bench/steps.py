@@ -9,8 +9,10 @@ way there is one optimizer update per step.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +21,32 @@ from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_size
 from poros_lightning.engine.optim_state import HostOptimizerState
 from poros_lightning.tools.parity.runner import token_loss
 
-__all__ = ["chunked_token_loss", "install_micro_batches", "step_loop"]
+__all__ = ["chunked_token_loss", "gc_timer", "install_micro_batches", "step_loop"]
+
+
+@contextlib.contextmanager
+def gc_timer(sink: dict[str, Any] | None) -> Iterator[Callable[[bool], None]]:
+    """Time Python's garbage collector while the yielded ``on(True)`` holds: ``sink`` receives ``gc_collections`` and
+    ``gc_seconds``, one entry per generation (2: the full collections, which scan every tracked object). A step
+    bound by the host pays for each collection at full length."""
+    counts, seconds, state = [0, 0, 0], [0.0, 0.0, 0.0], {"on": False, "t": 0.0}
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if not state["on"]:
+            return
+        if phase == "start":
+            state["t"] = time.perf_counter()
+        elif 0 <= info.get("generation", -1) <= 2:
+            counts[info["generation"]] += 1
+            seconds[info["generation"]] += time.perf_counter() - state["t"]
+
+    gc.callbacks.append(callback)
+    try:
+        yield lambda on: state.update(on=on)
+    finally:
+        gc.callbacks.remove(callback)
+        if sink is not None:
+            sink.update(gc_collections=counts, gc_seconds=[round(x, 6) for x in seconds])
 
 
 def install_micro_batches(model: torch.nn.Module, k: int, rows: int, device: torch.device | str) -> Any:
@@ -104,7 +131,7 @@ def step_loop(
     on the compute stream: where a streamed step spends the time a resident one does not. ``host_split``
     receives the same phases on the host's clock: how long the host took to issue each (a phase whose
     host time equals its GPU time held the host back, e.g. by filling the queue of kernel launches). ``counts``
-    receives ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
+    receives ``gc_collections`` and ``gc_seconds`` (:func:`gc_timer`, the timed steps), ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
     ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
     host ``head``'s copies), as they stood after the timed steps.
     ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
@@ -183,34 +210,37 @@ def step_loop(
         phase_end("update")
 
     times = []
-    for i, ids in enumerate(batches):
-        if tuner is not None:
-            if i == warmup:  # the timed steps run the plan the warm-up steps fitted (and the last one verified)
-                tuner.finish()
-            else:
-                tuner.step_boundary()
-        ids = ids.to(device, non_blocking=True)
-        wait()
-        if ring is not None and i == warmup:
-            ring.time_copies()
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
-        stamps: list[float] = []
-        t = time.perf_counter()
-        step(ids, _recorder(marks, stamps))
-        done_issuing = time.perf_counter()
-        wait()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-            if issued is not None:
-                issued.append(done_issuing - t)
-            if host_split is not None:
-                for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
-                    host_split.setdefault(name, []).append(b - a)
-            if split is not None and marks:
-                for name, (a, b) in zip(
-                    ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
-                ):
-                    split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+    with gc_timer(counts) as timing:
+        for i, ids in enumerate(batches):
+            if tuner is not None:
+                if i == warmup:  # the timed steps run the plan the warm-up steps fitted (and the last one verified)
+                    tuner.finish()
+                else:
+                    tuner.step_boundary()
+            timing(i >= warmup)  # the collector during the timed steps only
+            ids = ids.to(device, non_blocking=True)
+            wait()
+            if ring is not None and i == warmup:
+                ring.time_copies()
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+            stamps: list[float] = []
+            t = time.perf_counter()
+            step(ids, _recorder(marks, stamps))
+            done_issuing = time.perf_counter()
+            wait()
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+                if issued is not None:
+                    issued.append(done_issuing - t)
+                if host_split is not None:
+                    for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
+                        host_split.setdefault(name, []).append(b - a)
+                if split is not None and marks:
+                    for name, (a, b) in zip(
+                        ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
+                    ):
+                        split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+        timing(False)
     if cuda and times:
         t = time.perf_counter()
         torch.cuda.synchronize()
