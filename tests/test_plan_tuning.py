@@ -205,6 +205,25 @@ def test_auto_makes_the_plan_of_the_same_budget(monkeypatch: pytest.MonkeyPatch)
     assert plan == plan_engine(cfg, 16 * GB, seq_len=16, lora_r=8, link_gbps=25.0)
 
 
+def test_an_input_grads_hook_is_planned_for(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """enable_input_require_grads keeps the embeddings' output and its gradient through the update: planned as less
+    budget, named with its fix."""
+    from poros_lightning.memory.planner import plan_engine
+
+    monkeypatch.setattr(planning, "device_budget", lambda value, device: 16 * GB if value == "auto" else None)
+    monkeypatch.setattr(planning, "_link_gbps", lambda device, log: 25.0)
+    module = UserModule(0.1)
+    module.net.enable_input_require_grads()
+    strategy = PorosStrategy(seq_len=16)
+    strategy._lightning_module = module
+    with caplog.at_level(logging.INFO):
+        plan = planning.plan_for(strategy, module.net, None, logging.getLogger("test"))
+    base = module.net.get_base_model()
+    held = 2 * 16 * base.config.hidden_size * base.get_input_embeddings().weight.element_size()
+    assert plan == plan_engine(base.config.to_dict(), 16 * GB - held, seq_len=16, lora_r=8, link_gbps=25.0)
+    assert "model.disable_input_require_grads()" in caplog.text
+
+
 def test_explicit_options_win_over_the_plan_and_are_named(caplog: pytest.LogCaptureFixture) -> None:
     chosen, notes = resolve({"keep_activations": 2, "resident_blocks": None}, {"keep_activations": 4})
     assert chosen["keep_activations"] == 2 and chosen["resident_blocks"] == 0

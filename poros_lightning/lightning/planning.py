@@ -90,6 +90,18 @@ def _link_gbps(device: torch.device, log: logging.Logger) -> float | None:
         return None
 
 
+def _input_grads_bytes(base: nn.Module, tokens: int) -> int:
+    """What ``enable_input_require_grads`` (gradient checkpointing, ``prepare_model_for_kbit_training``) makes a step
+    hold that no plan counts: the embeddings' output, made a leaf that requires grad, and its gradient, both kept
+    until the graph is freed (after the update, in Lightning). 0 without the hook."""
+    if not getattr(base, "_require_grads_hooks", None):
+        return 0
+    embed = base.get_input_embeddings()
+    weight = getattr(embed, "weight", None)
+    hidden = int(weight.shape[-1]) if weight is not None else int(base.config.get_text_config().hidden_size)
+    return 2 * tokens * hidden * (weight.element_size() if weight is not None else 2)
+
+
 def plan_for(strategy: Any, peft_model: nn.Module, trainer: Any, log: logging.Logger) -> EnginePlan | None:
     """The plan for ``peft_model`` under the strategy's budget, logged as one block (``None``: no plan)."""
     device = strategy.root_device
@@ -110,9 +122,10 @@ def plan_for(strategy: Any, peft_model: nn.Module, trainer: Any, log: logging.Lo
     lora = next(iter(peft_model.peft_config.values()))
     head = base.get_output_embeddings() if callable(getattr(base, "get_output_embeddings", None)) else None
     batch = int(getattr(data, "batch_size", 1) or 1) if data is not None else 1
+    held = _input_grads_bytes(base, batch * int(seq_len))
     plan = plan_engine(
         base.config.to_dict(),
-        budget,
+        budget - held,
         seq_len=int(seq_len),
         # block-major: the data's batches hold micro_batches micro-batches (PorosStrategy checks the multiple)
         batch_size=max(batch // strategy.micro_batches, 1),
@@ -130,7 +143,14 @@ def plan_for(strategy: Any, peft_model: nn.Module, trainer: Any, log: logging.Lo
         if str(strategy.vram_budget).lower() == "auto"
         else f"vram_budget={strategy.vram_budget!r}"
     )
-    lines = [f"budget {format_bytes(budget)} ({how}), seq_len {seq_len}, batch {batch}", *plan.explanation]
+    lines = [f"budget {format_bytes(budget)} ({how}), seq_len {seq_len}, batch {batch}"]
+    if held:
+        lines.append(
+            f"planned against {format_bytes(budget - held)}: the input embeddings' require-grads hook keeps their "
+            f"output and a gradient of it through the backward and the update ({format_bytes(held)}; "
+            "model.disable_input_require_grads() frees it)"
+        )
+    lines += plan.explanation
     lines += overridden
     chosen, _ = resolve(strategy.explicit, plan.options())
     lines.append("options: " + ", ".join(f"{k}={v}" for k, v in chosen.items()))
