@@ -217,8 +217,8 @@ def prepare(
         log.warning(
             "poros: the input embeddings make their output require grad (enable_input_require_grads, which "
             "gradient checkpointing and prepare_model_for_kbit_training turn on): the backward computes a gradient "
-            "of that output which nothing reads and keeps it beside the output until the graph is freed, 2 x tokens "
-            "x hidden bytes that memory plans do not count. Streamed layers do not need it: call "
+            "of that output which nothing reads and keeps it beside the output until the graph is freed: two tensors "
+            "of tokens x hidden that prepare()'s options do not count. Streamed layers do not need it: call "
             "model.disable_input_require_grads() before prepare()."
         )
     options = EngineOptions(
