@@ -407,7 +407,7 @@ def bench_methods(
             if method == "resident_gc":
                 _checkpointing(model, enable=False)
                 # the hook stays otherwise (PEFT-wrapped): the next runs would hold the embeddings' output and a
-                # gradient of it through their update, 2 x tokens x hidden bytes their plans do not have
+                # gradient of it through their update, two tokens x hidden tensors their plans do not have
                 model.get_base_model().disable_input_require_grads()
             elif method == "poros":
                 unprepare(model, device=device)
