@@ -14,7 +14,8 @@ Note: [ordered gradient sum]
     chunks in the order its scheduler happens to run them; float addition is not associative, so for
     ``k >= 3`` the bytes would depend on that schedule. Instead each chunk reads each trainable
     parameter through :class:`_Capture`, an identity (one per module and chunk, over all its trainable
-    parameters) whose backward stores that chunk's gradients and passes nothing on; :meth:`MicroBatches.accumulate`, queued by the first capture to run when the
+    parameters) whose backward stores that chunk's gradients and passes nothing on;
+    :meth:`MicroBatches.accumulate`, queued by the first capture to run when the
     backward ends (so ``.grad`` is complete for ``on_after_backward`` and for plain loops alike), then adds
     the stored gradients into ``.grad`` in micro-batch order, ``grad = g_1``, ``grad += g_2``, ...,
     exactly the additions layer-major accumulation performs.
