@@ -131,7 +131,8 @@ def step_loop(
     on the compute stream: where a streamed step spends the time a resident one does not. ``host_split``
     receives the same phases on the host's clock: how long the host took to issue each (a phase whose
     host time equals its GPU time held the host back, e.g. by filling the queue of kernel launches). ``counts``
-    receives ``gc_collections`` and ``gc_seconds`` (:func:`gc_timer`, the timed steps), ``optimizer_prefetches`` (the steps whose backward started the optimizer state's copy in),
+    receives ``gc_collections`` and ``gc_seconds`` (:func:`gc_timer`, the timed steps), ``optimizer_prefetches``
+    (the steps whose backward started the optimizer state's copy in),
     ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
     host ``head``'s copies), as they stood after the timed steps.
     ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
