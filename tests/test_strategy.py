@@ -6,6 +6,8 @@ trained by Lightning's SingleDeviceStrategy on a resident bitsandbytes model.
 
 from __future__ import annotations
 
+import gc
+
 import lightning as L
 import pytest
 import torch
@@ -61,10 +63,10 @@ def _data(n: int = 8) -> DataLoader:
     return DataLoader(torch.randint(0, 256, (n, 16), generator=gen), batch_size=2, shuffle=False)
 
 
-def _fit(strategy, lora_dropout: float = 0.1, accumulate: int = 1, sanity: bool = False) -> Recorder:  # noqa: ANN001
+def _fit(strategy, lora_dropout=0.1, accumulate=1, sanity=False, rec=None) -> Recorder:  # noqa: ANN001
     L.seed_everything(0, verbose=False)
     module = UserModule(lora_dropout)
-    rec = Recorder()
+    rec = rec if rec is not None else Recorder()
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -98,6 +100,25 @@ def reference() -> Recorder:
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_poros_equals_resident(reference: Recorder, block_size: int) -> None:
     _assert_equal(reference, _fit(PorosStrategy(block_size=block_size)))
+
+
+class FreezeCount(Recorder):
+    """The four surfaces, and how many objects Python's collector leaves out while each step runs."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.frozen = [*getattr(self, "frozen", []), gc.get_freeze_count()]
+
+
+def test_setup_is_frozen_for_the_collector_while_training(reference: Recorder) -> None:
+    # Note: [frozen setup]: the model and what setup built are left out of collections during training,
+    # thawed at the end, and no result changes; gc_freeze=False leaves the collector alone.
+    assert gc.get_freeze_count() == 0
+    for enabled in (True, False):
+        rec = FreezeCount()
+        _assert_equal(reference, _fit(PorosStrategy(gc_freeze=enabled), rec=rec))
+        assert len(rec.frozen) == 3
+        assert all(n > 1000 for n in rec.frozen) if enabled else rec.frozen == [0, 0, 0]
+        assert gc.get_freeze_count() == 0  # thawed when training ended
 
 
 def test_registered_name(reference: Recorder) -> None:

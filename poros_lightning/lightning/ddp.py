@@ -58,6 +58,7 @@ from poros_lightning.api import engine_of, is_prepared, prepare, unprepare
 from poros_lightning.engine import move_resident
 from poros_lightning.engine.microbatch import dropout_sources
 from poros_lightning.errors import PorosConfigError
+from poros_lightning.lightning.collector import FrozenSetup
 from poros_lightning.lightning.ddp_shared import (
     SHM,
     MicroBatchSampler,
@@ -121,6 +122,8 @@ class PorosDDPStrategy(DDPStrategy):
         process_group_backend: ``"nccl"`` (CUDA) or ``"gloo"`` (CPU); Lightning's default otherwise.
         timeout: collective timeout.
         start_method: how Lightning starts the other ranks (``"popen"`` re-runs the script).
+        gc_freeze: each rank freezes Python's collector at the start of training (see
+            :class:`~poros_lightning.PorosStrategy`).
     """
 
     strategy_name = "poros_ddp"
@@ -147,6 +150,7 @@ class PorosDDPStrategy(DDPStrategy):
         allow_dropout: bool = False,
         keep_activations: int | None = None,
         tune_steps: int = 8,
+        gc_freeze: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -191,6 +195,7 @@ class PorosDDPStrategy(DDPStrategy):
         self.micro_batch_order = micro_batch_order
         self.allow_dropout = allow_dropout
         self.shared: list[SharedArenas] = []  # this rank's shared-memory factories, one per PEFT model
+        self.collector = FrozenSetup(gc_freeze)
 
     # The same meaning as on PorosStrategy, on every rank.
     precision_plugin = PorosStrategy.precision_plugin
@@ -201,6 +206,8 @@ class PorosDDPStrategy(DDPStrategy):
     _tune = PorosStrategy._tune
     engine_kwargs = PorosStrategy.engine_kwargs
     on_train_batch_start = PorosStrategy.on_train_batch_start
+    on_train_start = PorosStrategy.on_train_start
+    on_train_end = PorosStrategy.on_train_end
     lightning_module_state_dict = PorosStrategy.lightning_module_state_dict
     load_model_state_dict = PorosStrategy.load_model_state_dict
 
@@ -351,6 +358,7 @@ class PorosDDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         # The base becomes views into the host arenas (no copy): with a shared base, N copies of it at
         # teardown could exhaust host RAM. Lightning's teardown then moves the module to the CPU (a no-op).
+        self.collector.thaw()
         if self.model is not None:
             for peft_model in find_peft_models(self.model):
                 if is_prepared(peft_model):

@@ -23,6 +23,7 @@ from poros_lightning import quant
 from poros_lightning.api import default_device, is_prepared, prepare, unprepare
 from poros_lightning.engine import move_resident
 from poros_lightning.errors import PorosConfigError
+from poros_lightning.lightning.collector import FrozenSetup
 from poros_lightning.lightning.planning import check_budget, plan_for
 from poros_lightning.lightning.precision import PorosPrecision, find_peft_models
 from poros_lightning.memory.options import resolve
@@ -110,6 +111,9 @@ class PorosStrategy(SingleDeviceStrategy):
             and nothing draws random numbers (LoRA dropout 0): dropout is refused, naming the fix.
         optimizer_on_host: keep the optimizer state (AdamW's two moments, twice the adapter's size) in
             host memory between steps; it is on the device only while the optimizer updates (exact).
+        gc_freeze: at the start of training, collect once and ``gc.freeze()`` what exists, so that Python's
+            full collections during training do not rescan the model; thawed when training ends. Changes no
+            result (Note: [frozen setup] in lightning/collector.py).
     """
 
     strategy_name = "poros"
@@ -136,6 +140,7 @@ class PorosStrategy(SingleDeviceStrategy):
         optimizer_on_host: bool | None = None,
         keep_activations: int | None = None,
         tune_steps: int = 8,
+        gc_freeze: bool = True,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
@@ -182,6 +187,7 @@ class PorosStrategy(SingleDeviceStrategy):
             optimizer_on_host=optimizer_on_host,
         )
         self.allow_unlisted_arch = allow_unlisted_arch
+        self.collector = FrozenSetup(gc_freeze)
 
     def _tune(self, peft_model: nn.Module) -> None:
         """Measure the first steps and fit the plan to them (Note: [measured plans]; CUDA with a plan only)."""
@@ -371,7 +377,16 @@ class PorosStrategy(SingleDeviceStrategy):
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
 
     @override
+    def on_train_start(self) -> None:
+        self.collector.freeze()  # Note: [frozen setup]
+
+    @override
+    def on_train_end(self) -> None:
+        self.collector.thaw()
+
+    @override
     def teardown(self) -> None:
+        self.collector.thaw()  # a fit that raised ends here without on_train_end
         # Give the base its own memory back on the CPU first: Lightning's teardown moves the module to
         # the CPU, which must not read the slots (they hold only the last blocks).
         if self.model is not None:

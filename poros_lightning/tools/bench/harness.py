@@ -281,6 +281,9 @@ def bench_methods(
             splitter = install_micro_batches(model, micro, batch_size, device) if micro > 1 else None
             prepare(model, device=device, **engine_opts)
         gc.collect()
+        row["gc_freeze"] = frozen = bool(run.get("gc_freeze"))  # as PorosStrategy(gc_freeze=True): setup's objects
+        if frozen:  # left out of every later collection
+            gc.freeze()
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -404,6 +407,8 @@ def bench_methods(
         finally:
             if device == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)
+            if frozen:
+                gc.unfreeze()
             if method == "resident_gc":
                 _checkpointing(model, enable=False)
                 # the hook stays otherwise (PEFT-wrapped): the next runs would hold the embeddings' output and a
