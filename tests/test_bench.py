@@ -277,6 +277,28 @@ def test_runs_after_resident_gc_do_not_inherit_its_input_grads_hook(monkeypatch:
     assert hooks == [1, 0, 1]
 
 
+def test_a_run_may_freeze_the_collector_for_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gc_freeze: true`` runs the steps as PorosStrategy(gc_freeze=True) trains: what exists before them is left out
+    of Python's collections; the next run starts thawed."""
+    import gc
+
+    from poros_lightning.tools.bench import harness
+
+    frozen: list[int] = []
+    step_loop = harness.step_loop
+
+    def counting(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        frozen.append(gc.get_freeze_count())
+        return step_loop(model, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "step_loop", counting)
+    runs = [{"method": "poros", "gc_freeze": True}, {"method": "poros"}, {"method": "resident_gc", "gc_freeze": True}]
+    rows = harness.bench_methods(tiny_config(), runs, seq_len=8, lora_r=4, steps=1, warmup=1)
+    assert [row["gc_freeze"] for row in rows] == [True, False, True]
+    assert frozen[0] > 1000 and frozen[1] == 0 and frozen[2] > 1000
+    assert gc.get_freeze_count() == 0
+
+
 def test_gc_timer_counts_the_collections_while_on() -> None:
     import gc
 
