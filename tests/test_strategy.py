@@ -121,6 +121,50 @@ def test_setup_is_frozen_for_the_collector_while_training(reference: Recorder) -
         assert gc.get_freeze_count() == 0  # thawed when training ended
 
 
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_collector_is_frozen_by_default_thawed_on_every_exit_and_a_users_freeze_is_kept() -> None:
+    import weakref
+
+    from poros_lightning.lightning.ddp import PorosDDPStrategy
+
+    for strategy in (PorosStrategy(), PorosDDPStrategy()):
+        assert strategy.collector.enabled  # the default
+        garbage = weakref.ref(Cycle())  # a cycle only the collector frees: collected before the freeze
+        strategy.on_train_start()
+        assert garbage() is None and gc.get_freeze_count() > 1000
+        strategy.on_train_end()
+        assert gc.get_freeze_count() == 0  # teardown thaws too: test_a_fit_that_raises_leaves_the_collector_thawed
+    assert not PorosDDPStrategy(gc_freeze=False).collector.enabled
+    gc.freeze()  # the user's own freeze (before forking workers, say): left as it is
+    try:
+        strategy = PorosStrategy()
+        strategy.on_train_start()
+        assert not strategy.collector.frozen
+        strategy.on_train_end()
+        assert gc.get_freeze_count() > 1000  # not thawed
+    finally:
+        gc.unfreeze()
+
+
+class Failing(UserModule):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            raise RuntimeError("a step that fails")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_raises_leaves_the_collector_thawed() -> None:
+    trainer = L.Trainer(strategy=PorosStrategy(), accelerator="cpu", max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        trainer.fit(Failing(0.0), _data())
+    assert gc.get_freeze_count() == 0
+
+
 def test_registered_name(reference: Recorder) -> None:
     _assert_equal(reference, _fit("poros"))
 

@@ -9,7 +9,9 @@ model from the host thread, while the device waits whenever the step is bound by
 the start of training moves every object that exists then to a permanent generation that collections skip.
 Nothing a step computes changes: the collector only frees reference cycles, and freezing postpones freeing
 cycles that existed at the start of training until ``gc.unfreeze()`` when training ends. Objects created
-during training are collected as before.
+during training are collected as before. A process that arrives already frozen (the user's or another
+library's ``gc.freeze()``, common before forking workers) is left as it is: freezing again and thawing at the
+end would undo that freeze.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class FrozenSetup:
         self.frozen = False
 
     def freeze(self) -> None:
-        if self.enabled and not self.frozen:
+        if self.enabled and not self.frozen and gc.get_freeze_count() == 0:
             gc.collect()  # setup's garbage goes first: frozen, it would stay until the thaw
             gc.freeze()
             self.frozen = True

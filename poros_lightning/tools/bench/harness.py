@@ -282,8 +282,6 @@ def bench_methods(
             prepare(model, device=device, **engine_opts)
         gc.collect()
         row["gc_freeze"] = frozen = bool(run.get("gc_freeze"))  # as PorosStrategy(gc_freeze=True): setup's objects
-        if frozen:  # left out of every later collection
-            gc.freeze()
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -314,6 +312,8 @@ def bench_methods(
         head = engine.host_head if engine is not None else None
         head0 = head.loads if head is not None else 0
         try:
+            if frozen:  # left out of every later collection; thawed in finally
+                gc.freeze()
             ring = engine.ring if engine is not None else None
             peaks: dict[str, float] = {}
             issued: list[float] = []
