@@ -45,6 +45,12 @@ def engine_of(model: nn.Module) -> StreamingEngine | None:
     return getattr(_base(model), _ATTR, None)
 
 
+def input_grads_hooked(model: nn.Module) -> bool:
+    """Whether transformers' ``enable_input_require_grads`` hook is on ``model``'s base (gradient checkpointing and
+    ``prepare_model_for_kbit_training`` turn it on): the embeddings' output then requires grad."""
+    return bool(getattr(_base(model), "_require_grads_hooks", None))
+
+
 def is_prepared(model: nn.Module) -> bool:
     """Whether :func:`prepare` was applied to ``model`` (and not undone)."""
     return engine_of(model) is not None
@@ -213,7 +219,7 @@ def prepare(
     base = _base(model)
     spec = arch_for_model(base, allow_unlisted=allow_unlisted_arch)
     layers = list(resolve(base, spec.layers))
-    if getattr(base, "_require_grads_hooks", None):
+    if input_grads_hooked(base):
         log.warning(
             "poros: the input embeddings make their output require grad (enable_input_require_grads, which "
             "gradient checkpointing and prepare_model_for_kbit_training turn on): the backward computes a gradient "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from poros_lightning.api import input_grads_hooked
 from poros_lightning.engine.link import measure_h2d
 from poros_lightning.errors import PorosConfigError
 from poros_lightning.memory.options import AUTO_MARGIN_BYTES, AUTO_MARGIN_FRACTION, auto_budget, resolve
@@ -94,7 +95,7 @@ def _input_grads_bytes(base: nn.Module, tokens: int) -> int:
     """What ``enable_input_require_grads`` (gradient checkpointing, ``prepare_model_for_kbit_training``) makes a step
     hold that no plan counts: the embeddings' output, made a leaf that requires grad, and its gradient, both kept
     until the graph is freed (after the update, in Lightning). 0 without the hook."""
-    if not getattr(base, "_require_grads_hooks", None):
+    if not input_grads_hooked(base):
         return 0
     embed = base.get_input_embeddings()
     weight = getattr(embed, "weight", None)

@@ -150,7 +150,7 @@ def bench_methods(
     what was allocated at one more step's peak, as ``memtrace_*`` fields (tools/bench/memtrace.py). ``on_row`` is
     called with each row as soon as its run ends (a run killed later loses nothing already measured).
     """
-    from poros_lightning.api import engine_of, prepare, unprepare
+    from poros_lightning.api import engine_of, input_grads_hooked, prepare, unprepare
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and any("vram_budget" in run for run in runs):  # the allocator PorosStrategy's plans use
@@ -275,7 +275,7 @@ def bench_methods(
             continue
         if method == "resident_gc":
             _checkpointing(model, enable=True)  # transformers 5 makes the embeddings' output require grad with it
-            if not getattr(model.get_base_model(), "_require_grads_hooks", None):
+            if not input_grads_hooked(model):
                 model.enable_input_require_grads()
         elif method == "poros":
             splitter = install_micro_batches(model, micro, batch_size, device) if micro > 1 else None
