@@ -231,6 +231,71 @@ def test_a_soup_failure_names_soups_own_error(tmp_path: Path) -> None:
     assert soup_crash(tmp_path, since) == ""
 
 
+FAKE_SOUP = """
+import sys
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+SEEN = {}
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+
+
+def run():  # as `soup train`: asks whether Unsloth is installed, builds a trainer, prints a failure and exits 1
+    try:
+        import unsloth  # noqa: F401
+
+        SEEN["unsloth"] = True
+    except ImportError:
+        SEEN["unsloth"] = False
+    args = TrainingArguments(output_dir="./output", report_to=[], use_cpu=True)
+    trainer = Trainer(model=Model(), args=args)
+    SEEN["timed"] = any(type(c).__name__ == "StepTimer" for c in trainer.callback_handler.callbacks)
+    try:
+        trainer.train()  # no dataset: transformers refuses
+    except ValueError:
+        sys.exit(1)
+"""
+
+
+def test_soup_trains_without_unsloth_and_its_refusal_names_the_trainers_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Soup's process cannot import Unsloth even where it is installed (Note: [Soup without Unsloth]), only while Soup
+    runs; a trainer that fails without a crash bundle is named in the refusal by its own exception."""
+    import sys
+
+    from poros_lightning.tools.bench.peer_soup import train_soup
+
+    pkgs = tmp_path / "site"
+    (pkgs / "soup_cli").mkdir(parents=True)
+    (pkgs / "soup_cli" / "__init__.py").write_text("")
+    (pkgs / "soup_cli" / "cli.py").write_text(FAKE_SOUP)
+    (pkgs / "unsloth").mkdir()
+    (pkgs / "unsloth" / "__init__.py").write_text("")  # installed beside Soup, as on the bench's GPU machine
+    monkeypatch.syspath_prepend(str(pkgs))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for name in ("soup_cli", "soup_cli.cli", "unsloth", "unsloth_zoo"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    spec = {**SPEC, "checkpoint": str(tmp_path / "ckpt" / "model")}
+    with pytest.raises(RuntimeError) as err:
+        train_soup(spec, lambda: None, lambda: None, lambda: {})
+    message = str(err.value)
+    assert message.startswith("soup train exited with code 1 after 0 timed steps of 2")
+    assert message.endswith(": ValueError: Trainer: training requires a train_dataset.")
+    seen = sys.modules["soup_cli.cli"].SEEN
+    assert seen == {"unsloth": False, "timed": True}
+    assert "unsloth" not in sys.modules and "unsloth_zoo" not in sys.modules  # importable again after Soup
+    assert (work / "soup.yaml").exists() and (work / "tokenized").is_dir()
+
+
 def _report_rows() -> list[dict]:
     base = {"run_id": "r", "model": "Qwen/Qwen2.5-7B (random init)", "scale": "7B", "seq_len": 512, "source": "x"}
     return [

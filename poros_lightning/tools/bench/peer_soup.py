@@ -129,29 +129,64 @@ def train_soup(
     timer = _timer(reset_peaks, sync, read_peaks, times, peaks, int(spec["warmup"]))
     original = transformers.Trainer.__init__
 
+    failed: list[BaseException] = []  # what a trainer's train() raised: Soup prints it and exits 1
+
     def init(self: Any, *args: Any, **kwargs: Any) -> None:  # every trainer Soup builds gets the timer
         original(self, *args, **kwargs)
         self.add_callback(timer)
+        train = self.train
+
+        def recorded(*a: Any, **k: Any) -> Any:
+            try:
+                return train(*a, **k)
+            except Exception as exc:
+                failed.append(exc)
+                raise
+
+        self.train = recorded
 
     transformers.Trainer.__init__ = init
-    from soup_cli.cli import run
-
+    hidden = [name for name in _NOT_SOUPS if name not in sys.modules]
+    for name in hidden:  # Note: [Soup without Unsloth]
+        sys.modules[name] = None  # type: ignore[assignment]  # `import unsloth` raises ImportError
     argv = sys.argv
     sys.argv = ["soup", "--no-telemetry", "--no-audit-log", "--verbose", "train", "--config", "soup.yaml", "--yes"]
     code: Any = 0
     try:
+        from soup_cli.cli import run
+
         run()
     except SystemExit as exc:
         code = exc.code
     finally:
         sys.argv = argv
         transformers.Trainer.__init__ = original
+        for name in hidden:
+            sys.modules.pop(name, None)
     if len(times) < int(spec["steps"]):
         raise RuntimeError(
             f"soup train exited with code {code} after {len(times)} timed steps of {spec['steps']}"
-            + soup_crash(work, started)
+            + (soup_crash(work, started) or _first_line(failed))
         )
     return {"times": times, "soup_exit_code": code, **peaks}
+
+
+# Note: [Soup without Unsloth]
+# With Unsloth importable, `soup train` fails before its first step on a streamed model: Soup asks whether Unsloth is
+# installed (to suggest `backend: unsloth`) by importing it, importing Unsloth patches TRL's SFTTrainer so that its
+# `train()` first runs unsloth_zoo's `fix_untrained_tokens`, and that reads the embeddings, which layer streaming
+# keeps on the meta device (`NotImplementedError` from `torch.nonzero` on meta, H200 run of 2026-12-07). Soup's
+# users train on its default backend, transformers, in an environment of Soup's own; the bench's peers share one
+# package folder, so Soup's process makes Unsloth unimportable instead.
+_NOT_SOUPS = ("unsloth", "unsloth_zoo")
+
+
+def _first_line(errors: list[BaseException]) -> str:
+    """``": Type: message"`` of the first exception a Soup trainer's ``train()`` raised (its first line), or ''."""
+    if not errors:
+        return ""
+    err = errors[0]
+    return f": {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
 
 
 def soup_crash(work: Path, since: float) -> str:
