@@ -363,7 +363,8 @@ def test_a_refused_budget_is_a_row_and_the_bench_goes_on(tmp_path: Path) -> None
     refused, ran = _rows(tmp_path)
     assert refused["method"] == "poros_1KB" and refused["refused"] is True and refused["oom"] is False
     assert refused["s_per_step"] is None and refused["planned_peak_gb"] is None and refused["vram_budget"] == 1e-6
-    assert refused["min_budget_gb"] == minimum_budget(tiny_config(), seq_len=8, lora_r=4) / 1e9 > 1e-6
+    cpu = minimum_budget(tiny_config(), seq_len=8, lora_r=4, workspace_bytes=0)  # no cuBLAS workspaces on the CPU
+    assert refused["min_budget_gb"] == cpu / 1e9 > 1e-6
     assert "the budget is 1.00 kB" in refused["refusal"] and "plan" not in refused
     assert SWEEP_FIELDS <= set(refused) and refused["scale"] == "tiny" and refused["seq_len"] == 8
     assert ran["method"] == "poros" and ran["refused"] is False and ran["s_per_step"] > 0
@@ -803,6 +804,32 @@ def test_the_estimate_ratio_prices_the_plan_each_step_ran() -> None:
     fell_back = {**grown, "final_planned_peak_gb": 9.0}  # a larger plan ran: it may have set the row's peak
     assert estimate_ratio(fell_back) == pytest.approx(11.0 / 10.0)  # the steps alone
     assert estimate_ratio({"planned_peak_gb": None, "peak_vram_gb": 3.0}) is None
+
+
+def test_estimates_price_a_budget_this_version_refuses_by_its_smallest_plan() -> None:
+    """A minimum plan measured at a budget the memory model now refuses (it counts more) is priced as the smallest
+    plan with the same host-side options, not left out."""
+    from poros_lightning.arch import known_config
+    from poros_lightning.errors import PorosOOMError
+    from poros_lightning.memory.budget import minimum_budget
+    from poros_lightning.memory.planner import plan_engine
+    from poros_lightning.tools.bench.estimates import estimate_rows
+
+    cfg = known_config("Qwen/Qwen2.5-7B")
+    kw = dict(seq_len=512, micro_batches=16, loss_chunk_tokens=64)
+    with pytest.raises(PorosOOMError):
+        plan_engine(cfg, int(2.14e9), **kw)
+    smallest = plan_engine(cfg, minimum_budget(cfg, **kw), **kw)
+    on = dict.fromkeys(("embeddings_on_host", "head_on_host", "optimizer_on_host", "inputs_on_host"), True)
+    row = {
+        "run_id": "2026-12-07T05:55:07-1", "gpu": "card", "model": "Qwen/Qwen2.5-7B (random init)", "scale": "7B",
+        "batch_size": 1, "lora_r": 16, "vram_budget": 2.14, "block_mb": 120.22,
+        "peak_vram_gb": 1.914, "keep_activations": 0, "resident_blocks": 0, **kw, **on,
+    }  # fmt: skip
+    (priced,) = estimate_rows([row])
+    assert priced["estimate_gb"] == pytest.approx(smallest.vram_estimate / 1e9)
+    assert priced["ratio"] == pytest.approx(smallest.vram_estimate / 1.914e9) and priced["ratio"] > 1.0
+    assert estimate_rows([{**row, "inputs_on_host": False}]) == []  # another plan than the smallest: not priced
 
 
 def test_estimates_price_every_measured_plan_with_todays_model(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

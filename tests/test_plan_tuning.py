@@ -193,6 +193,7 @@ def test_auto_budget_from_a_faked_free_memory(monkeypatch: pytest.MonkeyPatch) -
 
 def test_auto_makes_the_plan_of_the_same_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Trainer(strategy="poros")`` on a card with 16 GB free plans as ``vram_budget`` of that budget does."""
+    from poros_lightning.memory.estimate import blas_workspace_bytes
     from poros_lightning.memory.planner import plan_engine
 
     monkeypatch.setattr(planning, "device_budget", lambda value, device: 16 * GB if value == "auto" else None)
@@ -202,7 +203,14 @@ def test_auto_makes_the_plan_of_the_same_budget(monkeypatch: pytest.MonkeyPatch)
     strategy._lightning_module = module
     plan = planning.plan_for(strategy, module.net, None, logging.getLogger("test"))
     cfg = module.net.get_base_model().config.to_dict()
-    assert plan == plan_engine(cfg, 16 * GB, seq_len=16, lora_r=8, link_gbps=25.0)
+    # the strategy runs on the CPU here, where no cuBLAS workspace is held (Note: [cuBLAS workspaces])
+    assert plan == plan_engine(cfg, 16 * GB, seq_len=16, lora_r=8, link_gbps=25.0, workspace_bytes=0)
+    # on a CUDA device the plan counts them
+    monkeypatch.setattr(PorosStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(planning, "use_expandable_segments", lambda device, log: False)
+    on_cuda = planning.plan_for(strategy, module.net, None, logging.getLogger("test"))
+    assert on_cuda == plan_engine(cfg, 16 * GB, seq_len=16, lora_r=8, link_gbps=25.0)
+    assert on_cuda.vram_estimate - plan.vram_estimate == blas_workspace_bytes() > 0
 
 
 def test_an_input_grads_hook_is_planned_for(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -220,7 +228,10 @@ def test_an_input_grads_hook_is_planned_for(monkeypatch: pytest.MonkeyPatch, cap
         plan = planning.plan_for(strategy, module.net, None, logging.getLogger("test"))
     base = module.net.get_base_model()
     held = 2 * 16 * base.config.hidden_size * base.get_input_embeddings().weight.element_size()
-    assert plan == plan_engine(base.config.to_dict(), 16 * GB - held, seq_len=16, lora_r=8, link_gbps=25.0)
+    expected = plan_engine(
+        base.config.to_dict(), 16 * GB - held, seq_len=16, lora_r=8, link_gbps=25.0, workspace_bytes=0
+    )
+    assert plan == expected
     assert "model.disable_input_require_grads()" in caplog.text
 
 

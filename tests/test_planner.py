@@ -148,10 +148,18 @@ def test_every_known_checkpoint_plans():
         plan = plan_memory(known_config(hub_id), vram_budget="24GB")
         assert 0 < plan.per_block_bytes < plan.nf4_base_bytes < plan.params_total, hub_id
         assert plan.streamed_vram_min == (
-            plan.resident_bytes + plan.lora_bytes + plan.slots * plan.per_block_bytes + plan.activation_streamed_bytes
+            plan.resident_bytes
+            + plan.lora_bytes
+            + plan.slots * plan.per_block_bytes
+            + plan.activation_streamed_bytes
+            + plan.workspace_bytes
         )
         assert plan.resident_vram == (
-            plan.nf4_base_bytes + plan.resident_bytes + plan.lora_bytes + plan.activation_resident_bytes
+            plan.nf4_base_bytes
+            + plan.resident_bytes
+            + plan.lora_bytes
+            + plan.activation_resident_bytes
+            + plan.workspace_bytes
         )
 
 
@@ -199,7 +207,7 @@ def test_plan_engine_fills_the_budget_and_names_the_minimum():
     cfg = known_config("Qwen/Qwen2.5-7B")
     # At 55 GB/s a 7B block (120 MB) copies within a layer's forward: spare memory keeps activations first
     # (the last layers), then blocks resident.
-    small, large = plan_engine(cfg, "4.2GB", link_gbps=55), plan_engine(cfg, "16GB", link_gbps=55)
+    small, large = plan_engine(cfg, "4.3GB", link_gbps=55), plan_engine(cfg, "16GB", link_gbps=55)
     assert small.embeddings_on_host and not large.embeddings_on_host
     assert 0 < small.keep_activations < large.keep_activations == 28 and small.resident_blocks == 0
     assert 0 < large.resident_blocks <= 26
@@ -220,8 +228,8 @@ def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
     block = plan_memory(cfg, seq_len=512).per_block_bytes
     assert block / 55e9 > LAYER_FORWARD_S and block / (DEFAULT_LINK_GBPS * 1e9) > LAYER_FORWARD_S
     plan = plan_engine(cfg, "24GB", link_gbps=55)
-    # 24 GB less 10% headroom holds 22 more blocks of 453 MB, and too little is left for a kept layer (319 MB)
-    assert (plan.resident_blocks, plan.keep_activations) == (22, 0)
+    # 24 GB less 10% headroom holds 21 more blocks of 453 MB, and what is left one kept layer (319 MB)
+    assert (plan.resident_blocks, plan.keep_activations) == (21, 1)
     assert any("resident blocks first" in line for line in plan.explanation)
     assert plan.vram_estimate <= 0.9 * plan.vram_budget
     # kept activations are what spare memory buys once every block is resident
@@ -230,8 +238,8 @@ def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
     # the 7B block is link-bound on a PCIe 4.0 link (the default), not at 55 GB/s
     seven = known_config("Qwen/Qwen2.5-7B")
     assert (
-        plan_engine(seven, "4.2GB").resident_blocks > 0
-        and plan_engine(seven, "4.2GB", link_gbps=55).resident_blocks == 0
+        plan_engine(seven, "4.3GB").resident_blocks > 0
+        and plan_engine(seven, "4.3GB", link_gbps=55).resident_blocks == 0
     )
 
 
@@ -251,7 +259,7 @@ def test_a_layers_forward_grows_with_its_tokens():
     # a 252 MB block copies in 4.6 ms at 55 GB/s: link-bound at seq 512, hidden at seq 2048
     assert plan_engine(cfg, "16GB", link_gbps=55).resident_blocks > 0
     plan = plan_engine(cfg, "16GB", link_gbps=55, seq_len=2048)
-    assert (plan.resident_blocks, plan.keep_activations) == (3, 1)  # kept first; less than a layer left: blocks
+    assert (plan.resident_blocks, plan.keep_activations) == (2, 1)  # kept first; less than a layer left: blocks
     assert any("within a layer's forward (about 7 ms)" in line for line in plan.explanation)
 
 
@@ -266,15 +274,15 @@ def test_plan_engine_turns_on_minimum_memory_options_by_copies_per_byte_saved():
     assert not (roomy.embeddings_on_host or roomy.head_on_host or roomy.optimizer_on_host)
     assert medium.embeddings_on_host and medium.optimizer_on_host and not medium.head_on_host  # moments first
     assert tight.embeddings_on_host and tight.head_on_host and tight.optimizer_on_host
-    assert not plan_engine(cfg, "8.7GB", head_frozen=False).head_on_host  # a trained head stays
-    with pytest.raises(PorosOOMError, match="vram_budget >= 8.64 GB"):
+    assert not plan_engine(cfg, "8.8GB", head_frozen=False).head_on_host  # a trained head stays
+    with pytest.raises(PorosOOMError, match="vram_budget >= 8.70 GB"):
         plan_engine(cfg, "7.8GB", head_frozen=False)
     assert tight.engine_kwargs()["head_on_host"] and "optimizer_on_host" not in tight.engine_kwargs()
     assert any("LM head in host memory" in line for line in tight.explanation)
     middle = plan_engine(known_config("Qwen/Qwen2.5-32B"), "6.67GB")  # embeddings alone suffice (6 GB usable)
     assert middle.embeddings_on_host and not middle.head_on_host and not middle.optimizer_on_host
-    # a tied head stays: only the moments move (1.25 GB usable: the logits' 0.62 GB of headroom is over 10%)
-    tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.87GB")
+    # a tied head stays: only the moments move (1.33 GB usable: the logits' 0.62 GB of headroom is over 10%)
+    tied = plan_engine(known_config("Qwen/Qwen2.5-0.5B"), "1.95GB")
     assert not tied.embeddings_on_host and not tied.head_on_host and tied.optimizer_on_host
 
 
@@ -412,8 +420,8 @@ def test_block_major_micro_batches_keep_every_input_and_recompute_one_micro_batc
         m: minimum_budget(known_config(m), seq_len=512, micro_batches=16, loss_chunk_tokens=512)
         for m in ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-72B")
     }
-    assert format_bytes(smallest["Qwen/Qwen2.5-7B"]) == "3.17 GB"  # 2.54 GB usable: 0.62 GB of logits headroom
-    assert format_bytes(smallest["Qwen/Qwen2.5-72B"]) == "7.10 GB"
+    assert format_bytes(smallest["Qwen/Qwen2.5-7B"]) == "3.24 GB"  # 2.62 GB usable: 0.62 GB of logits headroom
+    assert format_bytes(smallest["Qwen/Qwen2.5-72B"]) == "7.17 GB"
 
 
 def test_the_backward_tail_counts_what_a_layer_backward_holds():
@@ -440,5 +448,54 @@ def test_the_backward_tail_counts_what_a_layer_backward_holds():
     )  # fmt: skip
     table = 152064 * 8192 * 2  # embeddings and head, both in host memory: the tail is this plan's peak
     assert tight.embeddings_on_host and tight.head_on_host
-    assert tight.vram_estimate == tail + plan.resident_bytes - 2 * table
+    assert tight.vram_estimate == tail + plan.resident_bytes + plan.workspace_bytes - 2 * table
     assert tight.vram_estimate <= smallest - headroom_for(smallest, plan.logits_bytes, plan.dequant_bytes)
+
+
+def test_the_estimate_counts_torchs_cublas_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note: [cuBLAS workspaces]: two per step (the forward's thread and the autograd engine's), each of
+    ``CUBLAS_WORKSPACE_CONFIG``'s size, 32 MiB where it is unset."""
+    from poros_lightning.memory.estimate import BLAS_WORKSPACE_BYTES, blas_workspace_bytes
+
+    assert blas_workspace_bytes({}) == 2 * BLAS_WORKSPACE_BYTES == 2 * 32 * 2**20
+    assert blas_workspace_bytes({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 2 * 4096 * 1024 * 8  # deterministic runs
+    assert blas_workspace_bytes({"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 2 * 16 * 1024 * 8
+    assert blas_workspace_bytes({"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}) == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+    assert blas_workspace_bytes({"CUBLAS_WORKSPACE_CONFIG": "plenty"}) == 2 * BLAS_WORKSPACE_BYTES  # torch's default
+    cfg = known_config("Qwen/Qwen2.5-7B")
+    default = plan_memory(cfg)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    small = plan_memory(cfg)
+    assert small.workspace_bytes == 2 * 16 * 1024 * 8
+    shrunk = default.workspace_bytes - small.workspace_bytes
+    assert default.streamed_vram_min - small.streamed_vram_min == shrunk
+    assert default.resident_vram_gc - small.resident_vram_gc == shrunk
+
+
+def test_the_minimum_plans_measured_on_the_h200_are_not_under_predicted() -> None:
+    """The block-major minimum plans of 2026-12-07 (16 x 512 tokens, loss in chunks of 64; H200,
+    docs/benchmarks/recipes.jsonl): today's estimate of the same plan is 1.0-1.25 times each allocated peak. Without
+    the cuBLAS workspaces the 7B estimate was 0.976 times it."""
+    import json
+    from pathlib import Path
+
+    from poros_lightning.memory.planner import plan_engine
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "recipes.jsonl"
+    peaks: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if (
+            str(row.get("run_id", "")) >= "2026-12-07T05:41"
+            and row.get("base_method") == "poros"
+            and row["vram_budget"]
+        ):
+            assert row["micro_batches"] == 16 and row["loss_chunk_tokens"] == 64 and not row["oom"]
+            peaks[row["scale"]] = max(peaks.get(row["scale"], 0.0), row["peak_vram_gb"])
+    assert set(peaks) == {"7B", "32B", "72B"}
+    for scale, peak in peaks.items():
+        cfg = known_config(f"Qwen/Qwen2.5-{scale}")
+        kw = dict(seq_len=512, micro_batches=16, loss_chunk_tokens=64)
+        plan = plan_engine(cfg, minimum_budget(cfg, **kw), **kw)
+        assert plan.inputs_on_host and plan.head_on_host and plan.keep_activations == plan.resident_blocks == 0
+        assert 1.0 <= plan.vram_estimate / (peak * 1e9) <= 1.25, scale

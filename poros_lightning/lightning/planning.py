@@ -137,6 +137,7 @@ def plan_for(strategy: Any, peft_model: nn.Module, trainer: Any, log: logging.Lo
         link_gbps=_link_gbps(device, log),
         # LoRALightningModule(loss_chunk_tokens=...): the logits of one chunk at a time
         loss_chunk_tokens=getattr(strategy.lightning_module, "loss_chunk_tokens", None),
+        workspace_bytes=None if device.type == "cuda" else 0,  # cuBLAS's, CUDA only: Note: [cuBLAS workspaces]
     )
     _, overridden = resolve(strategy.explicit, plan.options())
     how = (

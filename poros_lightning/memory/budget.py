@@ -27,6 +27,7 @@ def minimum_budget(
     head_frozen: bool = True,
     loss_chunk_tokens: int | None = None,
     micro_batches: int = 1,
+    workspace_bytes: int | None = None,
 ) -> int:
     """The smallest VRAM budget (bytes) :func:`plan_engine` accepts with these arguments.
 
@@ -45,7 +46,7 @@ def minimum_budget(
     # What spare memory buys does not change what fits: keep_activations=False skips choosing it.
     args = dict(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization)
     args.update(lora_targets=lora_targets, head_frozen=head_frozen, keep_activations=False)
-    args.update(loss_chunk_tokens=loss_chunk_tokens, micro_batches=micro_batches)
+    args.update(loss_chunk_tokens=loss_chunk_tokens, micro_batches=micro_batches, workspace_bytes=workspace_bytes)
 
     def fits(budget: int) -> bool:
         try:

@@ -13,6 +13,7 @@ the CUDA context or allocator fragmentation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +31,13 @@ from poros_lightning.memory.sizes import (
 )
 
 __all__ = [
+    "BLAS_WORKSPACE_BYTES",
     "HEADROOM",
     "DEQUANT_HEADROOM",
     "LAYER_SAVES_FACTOR",
     "LOGITS_HEADROOM",
     "MemoryPlan",
+    "blas_workspace_bytes",
     "budget_for",
     "headroom_for",
     "plan_memory",
@@ -69,8 +72,9 @@ class MemoryPlan:
             weight, the boundary gradients of every micro-batch and, block-major, the per-micro-batch LoRA
             gradients that wait for their ordered sum.
         boundary_bytes: one hidden state of every micro-batch (a layer's saved input, block-major: all k).
-        streamed_vram_min: resident + LoRA + ``slots`` block slots + streamed activations.
-        resident_vram: NF4 base + resident + LoRA + activations without checkpointing.
+        workspace_bytes: the cuBLAS workspaces a training step holds (:func:`blas_workspace_bytes`).
+        streamed_vram_min: resident + LoRA + ``slots`` block slots + streamed activations + workspaces.
+        resident_vram: NF4 base + resident + LoRA + activations without checkpointing + workspaces.
         resident_vram_gc: the same with gradient checkpointing.
         host_ram_streamed: pinned NF4 base + a host copy of the resident modules while loading + one layer in
             bf16 while it is quantized.
@@ -132,6 +136,7 @@ class MemoryPlan:
     layer_forward_flops: int = 0
     backward_extra_bytes: int = 0
     boundary_bytes: int = 0
+    workspace_bytes: int = 0
 
 
 HEADROOM = 0.10
@@ -181,6 +186,33 @@ def budget_for(need: int, logits_bytes: int = 0, dequant_bytes: int = 0) -> int:
     while budget - headroom_for(budget, logits_bytes, dequant_bytes) < need:
         budget += 1
     return budget
+
+
+BLAS_WORKSPACE_BYTES = 32 * 2**20
+"""torch's cuBLAS workspace per (handle, stream), ``CUBLAS_WORKSPACE_CONFIG`` unset: 32 MiB on Hopper, less before."""
+
+
+def blas_workspace_bytes(environ: Mapping[str, str] | None = None) -> int:
+    """Bytes of the cuBLAS workspaces a training step holds on the device: two, each of ``CUBLAS_WORKSPACE_CONFIG``'s
+    size (``:4096:8`` is 8 buffers of 4096 KiB) or :data:`BLAS_WORKSPACE_BYTES`.
+
+    Note: [cuBLAS workspaces]
+        torch allocates one workspace per cuBLAS handle and stream through the caching allocator (it counts in
+        ``memory_allocated``) and keeps it; handles are per thread, and a step's matmuls run on two: the forward on
+        the caller's, the backward on the autograd engine's (cuBLASLt shares the cuBLAS workspace). Left out, the
+        update's estimate of the minimum plans at Qwen2.5-7B, 32B and 72B sat 69-71 MB under the measured peaks
+        (1.049, 3.190, 5.120 GB against 1.118, 3.260, 5.191 GB, H200, docs/benchmarks/recipes.jsonl, 2026-12-07),
+        and a 32B step found 1.112 GB allocated before it began against 1.042 GB of adapter, slots and norms
+        (``memtrace_before_gb``). Two 32 MiB workspaces are 67 MB.
+    """
+    env = os.environ if environ is None else environ
+    config = env.get("CUBLAS_WORKSPACE_CONFIG", "").strip()
+    fields = config.strip(":").split(":") if config else []
+    if len(fields) >= 2 and len(fields) % 2 == 0 and all(f.isdigit() for f in fields):
+        per_handle = sum(int(size) * 1024 * int(count) for size, count in zip(fields[::2], fields[1::2], strict=True))
+    else:
+        per_handle = BLAS_WORKSPACE_BYTES  # unset or not torch's form: torch warns and uses its default
+    return 2 * per_handle
 
 
 def _layer_activation_per_token(layer: LayerShape, targets: frozenset[str], hidden: int) -> int:
@@ -259,6 +291,7 @@ def plan_memory(
     lora_targets: Sequence[str] | None = None,
     loss_chunk_tokens: int | None = None,
     micro_batches: int = 1,
+    workspace_bytes: int | None = None,
 ) -> MemoryPlan:
     """Plan the memory of one QLoRA training step for the model described by ``cfg``.
 
@@ -279,6 +312,7 @@ def plan_memory(
             ``k``, a kept layer keeps all ``k`` micro-batches' activations, the unchunked logits are those of all
             ``k``; a recompute holds one micro-batch (Note: [one checkpoint per micro-batch] in engine.microbatch).
             The resident figures are those of a resident run accumulating the ``k`` one after the other.
+        workspace_bytes: the cuBLAS workspaces held (None: :func:`blas_workspace_bytes`, CUDA's; 0 elsewhere).
 
     Returns:
         The plan; every size is in bytes (see :class:`MemoryPlan` for which are estimates).
@@ -348,18 +382,20 @@ def plan_memory(
     grad_store = 4 * k * max(layer_lora) if k > 1 else 0
     common_all = BF16 * largest_weight + 2 * boundary_all + logits_all + grad_store
 
+    workspace = blas_workspace_bytes() if workspace_bytes is None else workspace_bytes  # Note: [cuBLAS workspaces]
+
     def streamed(bs: int) -> tuple[int, int, int]:
         starts = range(0, n, bs)
         block_bytes = max(sum(layer_q[s : s + bs]) for s in starts)
         act = len(starts) * boundary_all + max(sum(layer_act[s : s + bs]) for s in starts) + transient + common_all
-        return block_bytes, act, resident + lora + max(2, prefetch + 1) * block_bytes + act
+        return block_bytes, act, resident + lora + max(2, prefetch + 1) * block_bytes + act + workspace
 
     per_block, act_streamed, streamed_min = streamed(block_size)
     act_resident = sum(layer_act) + transient + common
     act_resident_gc = n * boundary + max(layer_act) + transient + common
     base = sum(layer_q)
-    resident_vram = base + resident + lora + act_resident
-    resident_vram_gc = base + resident + lora + act_resident_gc
+    resident_vram = base + resident + lora + act_resident + workspace
+    resident_vram_gc = base + resident + lora + act_resident_gc + workspace
     largest_layer_bf16 = BF16 * max(x.linear_weight_params for x in shapes.layers)
 
     fits = resident_fits = min_budget = max_block = None
@@ -409,5 +445,6 @@ def plan_memory(
         dequant_bytes=BF16 * largest_weight,
         backward_extra_bytes=common_all - logits_all,
         boundary_bytes=boundary_all,
+        workspace_bytes=workspace,
         layer_forward_flops=2 * micro_batches * tokens * max(x.linear_weight_params for x in shapes.layers),
     )

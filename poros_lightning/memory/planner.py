@@ -144,6 +144,7 @@ def plan_engine(
     link_gbps: float | None = None,
     loss_chunk_tokens: int | None = None,
     micro_batches: int = 1,
+    workspace_bytes: int | None = None,
 ) -> EnginePlan:
     """Choose engine options that fit ``vram_budget`` (estimates from :func:`plan_memory`).
 
@@ -194,6 +195,7 @@ def plan_engine(
     plan = plan_memory(
         cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, block_size=1, quantization=quantization,
         prefetch=1, lora_targets=lora_targets, loss_chunk_tokens=loss_chunk_tokens, micro_batches=micro_batches,
+        workspace_bytes=workspace_bytes,
     )  # fmt: skip
     usable = budget - headroom_for(budget, plan.logits_bytes, plan.dequant_bytes)  # Note: [headroom]
     text = _text_config(cfg)
@@ -212,7 +214,7 @@ def plan_engine(
             0, f"LM head and loss in chunks of {loss_chunk_tokens} tokens: logits {format_bytes(plan.logits_bytes)}"
         )
     embed_host = head_host = opt_host = inputs_host = False
-    resident_left = plan.resident_bytes
+    resident_left = plan.resident_bytes + plan.workspace_bytes  # what stays on the device in every phase
     # Sample-major, the moments come in during the backward's last quarter (Note: [when the state moves]), beside
     # the adapter, its gradient, one layer's recompute and backward, and the inputs of the layers still to
     # recompute; block-major, after the backward (its last quarter also holds every micro-batch's gradients).

@@ -259,6 +259,7 @@ def format_check(result: CheckResult) -> str:
         f"  LoRA (fp32 weights, grads, Adam)         {format_bytes(plan.lora_bytes):>10}",
         f"  logits (bf16, fp32 upcast and grad)      {format_bytes(plan.logits_bytes):>10}"
         + (f" (loss in chunks of {plan.loss_chunk_tokens} tokens)" if plan.loss_chunk_tokens else ""),
+        f"  cuBLAS workspaces (forward, backward)    {format_bytes(plan.workspace_bytes):>10}",
         "",
         f"  {'estimate':<22}{'streamed':>12}{'resident+GC':>14}{'resident':>12}",
         f"  {'activations':<22}{format_bytes(plan.activation_streamed_bytes):>12}"

@@ -48,14 +48,17 @@ def estimate_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         cfg = configs[model]
         if cfg is None:
             continue
+        shape = dict(
+            seq_len=int(row["seq_len"]), batch_size=int(row.get("batch_size", 1)), lora_r=int(row.get("lora_r", 16)),
+            quantization=row.get("quantization") or "nf4-dq", loss_chunk_tokens=row.get("loss_chunk_tokens"),
+            micro_batches=int(row.get("micro_batches") or 1),
+        )  # fmt: skip
         try:
-            plan = plan_engine(
-                cfg, int(round(budget * 1e9)), seq_len=int(row["seq_len"]), batch_size=int(row.get("batch_size", 1)),
-                lora_r=int(row.get("lora_r", 16)), quantization=row.get("quantization") or "nf4-dq",
-                loss_chunk_tokens=row.get("loss_chunk_tokens"), micro_batches=int(row.get("micro_batches") or 1),
-            )  # fmt: skip
-        except PorosOOMError:
-            continue
+            plan = plan_engine(cfg, int(round(budget * 1e9)), **shape)
+        except PorosOOMError as err:  # a budget this version refuses: its smallest plan, if the row measured that
+            if not err.needed_bytes:
+                continue
+            plan = plan_engine(cfg, err.needed_bytes, **shape)
         if any(bool(row.get(k)) != bool(getattr(plan, k)) for k in _HOST_OPTIONS):
             continue  # the row measured another plan than today's for its budget
         block = row["block_mb"] * 1e6

@@ -226,6 +226,7 @@ def bench_methods(
             planning = dict(seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization)
             planning["micro_batches"] = micro
             planning["loss_chunk_tokens"] = loss_chunk
+            planning["workspace_bytes"] = None if device == "cuda" else 0  # cuBLAS's: CUDA only
             full = hf_config(config).to_dict()  # the planner reads every key: the transformers defaults filled in
             # "min": the smallest budget the planner accepts (every host-side option on), the minimum-memory plan
             is_min = str(run["vram_budget"]).strip().lower() == "min"
