@@ -866,3 +866,26 @@ def test_estimates_price_every_measured_plan_with_todays_model(capsys: pytest.Ca
     main(["report", str(path), "-o", str(tmp_path / "r.html"), "--estimates", "--since", "2026-12-05"])
     out = capsys.readouterr().out
     assert "3 measured plans" in out and "2026-12-01" not in out
+
+
+def test_a_step_that_raises_leaves_no_optimizer_hook_on_the_model() -> None:
+    """The bench reuses one model for every run: a run whose step raises (out of memory) with the optimizer state in
+    host memory removes its trigger hook from the adapter all the same, so the next run does not carry it."""
+    import torch
+    from conftest import build_peft_model
+
+    from poros_lightning.tools.bench.steps import step_loop
+
+    model = build_peft_model(lora_dropout=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def hooks() -> int:
+        return sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in trained)
+
+    good = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    step_loop(model, [good, good], 1, 256, "cpu", optimizer_on_host=True)
+    assert hooks() == 0
+    bad = torch.full((2, 16), 10**6)  # past the vocabulary: the forward raises mid-step, after the hook was set
+    with pytest.raises(IndexError):
+        step_loop(model, [good, bad], 1, 256, "cpu", optimizer_on_host=True)
+    assert hooks() == 0

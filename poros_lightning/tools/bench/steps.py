@@ -211,61 +211,63 @@ def step_loop(
         phase_end("update")
 
     times = []
-    with gc_timer(counts) as timing:
-        for i, ids in enumerate(batches):
-            if tuner is not None:
-                if i == warmup:  # the timed steps run the plan the warm-up steps fitted (and the last one verified)
-                    tuner.finish()
-                else:
-                    tuner.step_boundary()
-            timing(i >= warmup)  # the collector during the timed steps only
-            ids = ids.to(device, non_blocking=True)
-            wait()
-            if ring is not None and i == warmup:
-                ring.time_copies()
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
-            stamps: list[float] = []
+    try:
+        with gc_timer(counts) as timing:
+            for i, ids in enumerate(batches):
+                if tuner is not None:
+                    if i == warmup:  # the timed steps run the plan the warm-up steps fitted (and the last one verified)
+                        tuner.finish()
+                    else:
+                        tuner.step_boundary()
+                timing(i >= warmup)  # the collector during the timed steps only
+                ids = ids.to(device, non_blocking=True)
+                wait()
+                if ring is not None and i == warmup:
+                    ring.time_copies()
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+                stamps: list[float] = []
+                t = time.perf_counter()
+                step(ids, _recorder(marks, stamps))
+                done_issuing = time.perf_counter()
+                wait()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t)
+                    if issued is not None:
+                        issued.append(done_issuing - t)
+                    if host_split is not None:
+                        for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
+                            host_split.setdefault(name, []).append(b - a)
+                    if split is not None and marks:
+                        for name, (a, b) in zip(
+                            ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
+                        ):
+                            split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+            timing(False)
+        if cuda and times:
             t = time.perf_counter()
-            step(ids, _recorder(marks, stamps))
-            done_issuing = time.perf_counter()
-            wait()
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-                if issued is not None:
-                    issued.append(done_issuing - t)
-                if host_split is not None:
-                    for name, a, b in zip(("forward", "backward", "update"), stamps, stamps[1:], strict=False):
-                        host_split.setdefault(name, []).append(b - a)
-                if split is not None and marks:
-                    for name, (a, b) in zip(
-                        ("forward", "backward", "update"), zip(marks, marks[1:], strict=False), strict=True
-                    ):
-                        split.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
-        timing(False)
-    if cuda and times:
-        t = time.perf_counter()
-        torch.cuda.synchronize()
-        times[-1] += time.perf_counter() - t
-    # What the timed steps copied, before a profiled step adds to it.
-    if ring is not None and counts is not None:
-        counts["ring_loads"] = ring.loads
-        counts["copy_stats"] = ring.copy_stats()
-        ring.time_copies(False)
-    if head is not None and counts is not None:
-        counts["head_loads"] = head.loads
-    if host is not None and counts is not None:
-        counts["optimizer_prefetches"] = host.prefetches
-    if cuda and batches and (profile is not None or memtrace is not None):
-        from poros_lightning.tools.bench.memtrace import record_step
-        from poros_lightning.tools.bench.timeline import profile_step
+            torch.cuda.synchronize()
+            times[-1] += time.perf_counter() - t
+        # What the timed steps copied, before a profiled step adds to it.
+        if ring is not None and counts is not None:
+            counts["ring_loads"] = ring.loads
+            counts["copy_stats"] = ring.copy_stats()
+            ring.time_copies(False)
+        if head is not None and counts is not None:
+            counts["head_loads"] = head.loads
+        if host is not None and counts is not None:
+            counts["optimizer_prefetches"] = host.prefetches
+        if cuda and batches and (profile is not None or memtrace is not None):
+            from poros_lightning.tools.bench.memtrace import record_step
+            from poros_lightning.tools.bench.timeline import profile_step
 
-        ids = batches[-1].to(device)
-        kept = dict(phases)  # the peaks are the timed steps'
-        for sink, run_once in ((profile, profile_step), (memtrace, record_step)):
-            if sink is not None:  # one more step each, after the timed ones
-                sink.update(run_once(lambda mark: step(ids, mark)))
-        phases.update(kept)
-    if host is not None:
-        host.close()
+            ids = batches[-1].to(device)
+            kept = dict(phases)  # the peaks are the timed steps'
+            for sink, run_once in ((profile, profile_step), (memtrace, record_step)):
+                if sink is not None:  # one more step each, after the timed ones
+                    sink.update(run_once(lambda mark: step(ids, mark)))
+            phases.update(kept)
+    finally:
+        if host is not None:  # a step that raised (out of memory) leaves no trigger hook for the model's next run
+            host.close()
     opt.state.clear()
     return times
