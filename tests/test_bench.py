@@ -889,3 +889,10 @@ def test_a_step_that_raises_leaves_no_optimizer_hook_on_the_model() -> None:
     with pytest.raises(IndexError):
         step_loop(model, [good, bad], 1, 256, "cpu", optimizer_on_host=True)
     assert hooks() == 0
+
+
+def test_every_run_row_carries_the_hosts_own_speed(tmp_path: Path) -> None:
+    """host_launch_us and host_python_ns, measured before each run's steps, in microseconds and nanoseconds."""
+    assert main(["run", str(_one_step_config(tmp_path, runs=[{"method": "resident_gc"}, {"method": "poros"}]))]) == 0
+    for row in _rows(tmp_path):
+        assert 0 < row["host_launch_us"] < 10_000 and 0 < row["host_python_ns"] < 10_000

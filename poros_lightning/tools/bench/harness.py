@@ -18,7 +18,7 @@ import torch
 
 from poros_lightning.engine.link import measure_h2d
 from poros_lightning.quant.hf_config import hf_config
-from poros_lightning.tools.bench.steps import install_micro_batches, step_loop
+from poros_lightning.tools.bench.steps import host_speed, install_micro_batches, step_loop
 from poros_lightning.tools.parity.build import build_peft_model
 
 __all__ = ["METHODS", "bench_methods", "measure_h2d", "write_jsonl"]
@@ -323,6 +323,7 @@ def bench_methods(
             counts: dict[str, Any] = {}
             profiled: dict[str, Any] | None = {} if profile else None
             traced: dict[str, Any] | None = {} if memtrace else None
+            row.update(host_speed(device))  # beside the steps: drift of the host itself between runs
             times = step_loop(
                 model,
                 batches_of(effective_batch),

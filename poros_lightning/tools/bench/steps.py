@@ -21,7 +21,7 @@ from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_size
 from poros_lightning.engine.optim_state import HostOptimizerState
 from poros_lightning.tools.parity.runner import token_loss
 
-__all__ = ["chunked_token_loss", "gc_timer", "install_micro_batches", "step_loop"]
+__all__ = ["chunked_token_loss", "gc_timer", "host_speed", "install_micro_batches", "step_loop"]
 
 
 @contextlib.contextmanager
@@ -47,6 +47,28 @@ def gc_timer(sink: dict[str, Any] | None) -> Iterator[Callable[[bool], None]]:
         gc.callbacks.remove(callback)
         if sink is not None:
             sink.update(gc_collections=counts, gc_seconds=[round(x, 6) for x in seconds])
+
+
+def host_speed(device: str, launches: int = 1000, loops: int = 100_000) -> dict[str, float]:
+    """The host's own speed, measured just before a run's steps: the host time of one tiny kernel's launch, the device
+    idle and the launches not waited for (``host_launch_us``), and of one iteration of a pure-Python loop
+    (``host_python_ns``). A host-bound step that drifts between the runs of one process drifts with these where the
+    host itself slowed, and not where the drift is the run's own."""
+    x = torch.zeros(1, device=device)
+    for _ in range(100):  # the kernel and the allocator warm
+        x.add_(1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(launches):
+        x.add_(1)
+    launch = (time.perf_counter() - t) / launches
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t, total = time.perf_counter(), 0
+    for i in range(loops):
+        total += i
+    return {"host_launch_us": launch * 1e6, "host_python_ns": (time.perf_counter() - t) / loops * 1e9}
 
 
 def install_micro_batches(model: torch.nn.Module, k: int, rows: int, device: torch.device | str) -> Any:
