@@ -207,6 +207,16 @@ def test_vram_budget_shows_the_planners_choice(capsys):
     assert "The smallest streamed plan needs about 6.19 GB" in capsys.readouterr().out
 
 
+def test_refused_budget_names_the_fix_and_prices_a_chunked_loss(capsys):
+    # 4 x 2048 tokens: the full logits (12.46 GB) refuse 16 GB; chunks of 512 tokens fit far less.
+    assert main(["Qwen/Qwen2.5-7B", "--seq-len", "2048", "--batch-size", "4", "--vram-budget", "16GB"]) == 0
+    out = capsys.readouterr().out
+    assert "fix: Use vram_budget >= 26.65 GB" in out and "LoRALightningModule(loss_chunk_tokens=512)" in out
+    assert "with --loss-chunk-tokens 512 the smallest budget is 5.63 GB" in out
+    assert main(["Qwen/Qwen2.5-7B", "--seq-len", "2048", "--batch-size", "4", "--loss-chunk-tokens", "512"]) == 0
+    assert "smallest budget       5.63 GB" in capsys.readouterr().out
+
+
 def test_loss_chunk_tokens_plans_one_chunk_of_logits(capsys):
     assert main(["Qwen/Qwen2.5-7B", "--seq-len", "2048"]) == 0
     assert "logits (bf16, fp32 upcast and grad)         3.11 GB" in capsys.readouterr().out
