@@ -212,7 +212,7 @@ def test_refused_budget_names_the_fix_and_prices_a_chunked_loss(capsys):
     assert main(["Qwen/Qwen2.5-7B", "--seq-len", "2048", "--batch-size", "4", "--vram-budget", "16GB"]) == 0
     out = capsys.readouterr().out
     assert "fix: Use vram_budget >= 26.65 GB" in out and "LoRALightningModule(loss_chunk_tokens=512)" in out
-    assert "with --loss-chunk-tokens 512 the smallest budget is 5.63 GB" in out
+    assert "loss_chunk_tokens=512), which needs vram_budget >= 5.63 GB)" in out
     assert main(["Qwen/Qwen2.5-7B", "--seq-len", "2048", "--batch-size", "4", "--loss-chunk-tokens", "512"]) == 0
     assert "smallest budget       5.63 GB" in capsys.readouterr().out
 

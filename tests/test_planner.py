@@ -219,6 +219,25 @@ def test_plan_engine_fills_the_budget_and_names_the_minimum():
     assert isinstance(err.value, MemoryError)
 
 
+def test_refusal_prices_the_chunked_loss_it_suggests():
+    """A refusal with the full logits of many tokens names the chunked loss and the budget that needs."""
+    from poros_lightning.memory.planner import CHUNK_HINT_TOKENS, plan_engine
+
+    cfg = known_config("Qwen/Qwen2.5-7B")
+    with pytest.raises(PorosOOMError) as err:  # 4 x 2048 tokens: 12.46 GB of logits
+        plan_engine(cfg, "16GB", seq_len=2048, batch_size=4)
+    chunked = minimum_budget(cfg, seq_len=2048, batch_size=4, loss_chunk_tokens=CHUNK_HINT_TOKENS)
+    assert err.value.hint.endswith(
+        f"(LoRALightningModule(loss_chunk_tokens=512), which needs vram_budget >= {format_bytes(chunked)})."
+    )
+    with pytest.raises(PorosOOMError) as err:  # chunked already: nothing more to suggest
+        plan_engine(cfg, "4GB", seq_len=2048, batch_size=4, loss_chunk_tokens=1024)
+    assert "loss_chunk_tokens" not in err.value.hint
+    with pytest.raises(PorosOOMError) as err:  # 512 tokens: chunks of 512 would change nothing
+        plan_engine(known_config("Qwen/Qwen2.5-72B"), "4GB")
+    assert "loss_chunk_tokens" not in err.value.hint
+
+
 def test_link_bound_blocks_spend_spare_memory_on_resident_blocks_first():
     """Note: [link-bound layers]: a block that copies slower than a layer's forward makes resident blocks pay."""
     from poros_lightning.arch.known import known_config

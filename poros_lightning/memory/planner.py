@@ -130,6 +130,24 @@ def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return cfg.get("text_config") or cfg
 
 
+CHUNK_HINT_TOKENS = 512
+"""Chunk size a refusal prices the chunked loss at (``LoRALightningModule(loss_chunk_tokens=512)``): with more tokens
+per micro-batch than this, a refused plan's hint names the chunked loss and the budget it needs."""
+
+
+def _chunked_hint(cfg: Mapping[str, Any], **planning: Any) -> str:
+    """The refusal hint's last clause: the chunked loss, and the smallest budget the planner names with it."""
+    from poros_lightning.errors import PorosOOMError
+
+    try:
+        plan_engine(cfg, 1, **planning, keep_activations=False, loss_chunk_tokens=CHUNK_HINT_TOKENS)
+    except PorosOOMError as err:
+        needs = f", which needs vram_budget >= {format_bytes(err.needed_bytes)}" if err.needed_bytes else ""
+    else:  # pragma: no cover - nothing to plan for
+        needs = ""
+    return f", or compute the LM head and the loss in chunks (LoRALightningModule(loss_chunk_tokens={CHUNK_HINT_TOKENS}){needs})."
+
+
 def plan_engine(
     cfg: Mapping[str, Any],
     vram_budget: int | str,
@@ -286,6 +304,13 @@ def plan_engine(
     if total > usable:
         smallest = budget_for(total, plan.logits_bytes, plan.dequant_bytes)
         kept_back = headroom_for(smallest, plan.logits_bytes, plan.dequant_bytes)
+        chunked = "."
+        if loss_chunk_tokens is None and seq_len * batch_size > CHUNK_HINT_TOKENS:
+            chunked = _chunked_hint(
+                cfg, seq_len=seq_len, batch_size=batch_size, lora_r=lora_r, quantization=quantization,
+                lora_targets=lora_targets, head_frozen=head_frozen, micro_batches=micro_batches,
+                workspace_bytes=workspace_bytes,
+            )  # fmt: skip
         raise PorosOOMError(
             f"The smallest streamed plan needs about {format_bytes(total)} of GPU memory at seq_len {seq_len}, "
             f"batch {batch_size}{f' x {micro_batches} block-major micro-batches' if micro_batches > 1 else ''}, "
@@ -293,11 +318,7 @@ def plan_engine(
             "the allocator: "
             f"{format_bytes(smallest)}; the budget is {format_bytes(budget)}.",
             f"Use vram_budget >= {format_bytes(smallest)}, or a shorter seq_len / smaller batch / lower LoRA rank"
-            + (
-                ", or compute the LM head and the loss in chunks (LoRALightningModule(loss_chunk_tokens=512))."
-                if loss_chunk_tokens is None and seq_len * batch_size > 512
-                else "."
-            ),
+            + chunked,
             needed_bytes=smallest,
         )
     spare = usable - total  # Note: [headroom]

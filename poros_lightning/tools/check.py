@@ -40,8 +40,6 @@ __all__ = ["CheckResult", "check", "format_check", "load_config", "main"]
 EXIT_SUPPORTED = 0
 EXIT_ERROR = 1
 EXIT_UNSUPPORTED = 2
-CHUNK_HINT_TOKENS = 512
-"""Chunk size a refused plan's hint prices the chunked loss at (``LoRALightningModule(loss_chunk_tokens=512)``)."""
 
 
 @dataclass(frozen=True)
@@ -185,13 +183,6 @@ def check(
             chosen = plan_engine(cfg, vram_budget, **planning, lora_targets=spec.lora_targets, link_gbps=link_gbps)
         except PorosOOMError as err:
             engine_plan = (err.problem, *((f"fix: {err.hint}",) if err.hint else ()))
-            if loss_chunk_tokens is None and seq_len * batch_size > CHUNK_HINT_TOKENS:
-                chunked = minimum_budget(
-                    cfg, **{**planning, "loss_chunk_tokens": CHUNK_HINT_TOKENS}, lora_targets=spec.lora_targets
-                )
-                engine_plan += (
-                    f"with --loss-chunk-tokens {CHUNK_HINT_TOKENS} the smallest budget is {format_bytes(chunked)}",
-                )
         else:
             engine_plan = chosen.explanation
             engine_options = {**chosen.engine_kwargs(), "optimizer_on_host": chosen.optimizer_on_host}
