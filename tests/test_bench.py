@@ -366,6 +366,7 @@ def test_a_refused_budget_is_a_row_and_the_bench_goes_on(tmp_path: Path) -> None
     cpu = minimum_budget(tiny_config(), seq_len=8, lora_r=4, workspace_bytes=0)  # no cuBLAS workspaces on the CPU
     assert refused["min_budget_gb"] == cpu / 1e9 > 1e-6
     assert "the budget is 1.00 kB" in refused["refusal"] and "plan" not in refused
+    assert refused["fix"].startswith("Use vram_budget >= ")  # the strategy's own hint
     assert SWEEP_FIELDS <= set(refused) and refused["scale"] == "tiny" and refused["seq_len"] == 8
     assert ran["method"] == "poros" and ran["refused"] is False and ran["s_per_step"] > 0
 

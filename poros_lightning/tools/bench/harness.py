@@ -134,7 +134,7 @@ def bench_methods(
     card; a run that does not fit is recorded with ``"oom": true``), or a ``vram_budget`` (``"24GB"``:
     the planner of ``PorosStrategy(vram_budget=...)`` picks the engine options and ``optimizer_on_host``,
     and the run is capped at the budget; a budget the planner refuses is recorded with ``"refused": true``
-    and the smallest budget it accepts, ``min_budget_gb``, without running; the warm-up steps then fit the plan
+    and the smallest budget it accepts, ``min_budget_gb``, and the planner's ``fix``, without running; the warm-up steps then fit the plan
     to the card, engine/tuner.py, unless ``tune: false``; ``trade: false`` keeps the planned resident blocks).
     Either way the next run goes on. Every row has ``vram_budget`` (GB, or None), ``planned_peak_gb`` (the plan's estimate, or None),
     and a tuned row ``final_planned_peak_gb`` (the estimate of the plan the tuner settled on; each ``tuned`` step
@@ -237,7 +237,7 @@ def bench_methods(
                 plan = plan_engine(full, budget, **planning, link_gbps=link)
             except PorosOOMError as err:  # the strategy refuses it too: an answer, recorded as one
                 smallest = minimum_budget(full, **planning)
-                refusal = {"refused": True, "min_budget_gb": smallest / 1e9, "refusal": err.problem}
+                refusal = {"refused": True, "min_budget_gb": smallest / 1e9, "refusal": err.problem, "fix": err.hint}
             else:
                 # Options the run sets win over the plan's, as they do in PorosStrategy; the plan's lines name them.
                 explicit = {**engine_opts, "optimizer_on_host": run.get("optimizer_on_host")}
