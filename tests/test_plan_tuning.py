@@ -316,6 +316,20 @@ def test_copies_that_bound_the_step_turn_kept_activations_into_resident_blocks()
     assert (tuner.keep, tuner.resident, tuner.done) == (0, 8, True)  # 4 layers x 0.5 GB = 8 blocks x 0.25 GB
 
 
+def test_bytes_per_layer_are_measured_net_of_the_resident_blocks_a_trade_moved() -> None:
+    # Qwen2.5-32B, 24 GB, H100: a trade turned resident blocks into kept layers, the allocated peak stayed level,
+    # and read as bytes per layer it said a layer costs (almost) nothing; the tuner grew into the room at that
+    # rate and the next step ran out of memory. Here a layer is half a GB and a block a quarter.
+    tuner, _ = _timed_tuner(4.6, 7.5, keep=2, resident=12)
+    level = (7 * GB, 8 * GB, 0)  # 2 GB of room below the 10 GB budget, before and after the trade
+    _drive(tuner, [(5.0, 7 * GB, int(9.9 * GB), 0), (1.0, *level), (0.95, *level)])  # the warm-up leaves no room
+    assert [(s.keep_activations, s.resident_blocks) for s in tuner.history] == [(2, 12), (2, 12), (5, 6)]
+    # 3 GB of resident blocks became 1.5 GB of kept layers (half, on the estimate) and 1.5 GB stayed resident:
+    # measured, each peak less its resident blocks, (7 - 1.5) - (7 - 3) GB over 3 layers is half a GB a layer.
+    assert tuner.measured_layer_bytes() == GB // 2
+    assert tuner.keep == 5 + 3  # 0.9 x 2 GB of room at half a GB a layer; uncorrected it read 7 more, 3.5 GB
+
+
 def test_no_trade_without_timings_or_when_too_little_is_resident() -> None:
     tuner = _tuner(keep=2, resident=6, num_blocks=28, block_bytes=GB // 4)  # no set_resident: resident is left
     _drive(tuner, [(5.0, 9 * GB, int(9.9 * GB), 0), (1.0, 9 * GB, int(9.9 * GB), 0)])

@@ -20,7 +20,8 @@ Note: [measured plans]
       estimates a layer forward from its tokens (``memory.planner.layer_forward_s``); this is where the card's
       own numbers replace it (at Qwen2.5-32B on the H200, a 252 MB block copied in 4.7 ms against a 5.4 ms
       layer forward: the copies were hidden, and the planned resident blocks bought nothing);
-    - room for at least one more layer's activations (measured per layer once two plans have run): keep
+    - room for at least one more layer's activations (measured per layer once two plans have run, each peak
+      less its resident blocks, which a trade changes at the same time): keep
       that many more, if the step got no slower than the fastest measured plan (3% for noise); while the bytes
       per layer are still the planner's estimate, only half as many (an estimate that was low for a family
       made the next step run out of memory on the H200: Gemma-4-31B, docs/benchmarks/families.jsonl);
@@ -166,10 +167,15 @@ class PlanTuner:
         self._timing = enable and self.timer is not None
 
     def measured_layer_bytes(self) -> int:
-        """Bytes per kept layer from two measured plans (the estimate until two plans have run)."""
+        """Bytes per kept layer from two measured plans (the estimate until two plans have run).
+
+        Each peak is taken less its resident blocks' bytes: a trade changes both at once, and the 28 blocks that
+        became 28 layers' activations at Qwen2.5-32B (24 GB, H100) read, uncorrected, as a quarter of a layer's
+        real bytes, grew 10 more layers into 1.3 GB of room, and the next step ran out of memory."""
         by_keep: dict[int, int] = {}
         for s in self.history[1:]:  # the first step also allocates what every later step reuses
-            by_keep[s.keep_activations] = max(by_keep.get(s.keep_activations, 0), s.peak_allocated)
+            peak = s.peak_allocated - s.resident_blocks * self.block_bytes
+            by_keep[s.keep_activations] = max(by_keep.get(s.keep_activations, peak), peak)
         if len(by_keep) < 2:
             return self.layer_bytes
         (k0, p0), (k1, p1) = sorted(by_keep.items())[0], sorted(by_keep.items())[-1]
