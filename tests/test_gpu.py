@@ -140,6 +140,29 @@ def _qv_grads(keep: int | None, steps: int = 3, resident: int = 0) -> list[list[
     return grads
 
 
+def test_timings_leave_the_waits_on_copies_out_of_the_layers_own_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies slowed down: the forward through the layers waits on them (``block_forward_s``, about a copy), the
+    layers' own time (``compute_s``, what the tuner weighs a kept layer by) does not (Note: [measured plans])."""
+    from poros_lightning import prepare
+    from poros_lightning.api import engine_of
+    from poros_lightning.tools.parity.build import build_peft_model
+
+    cfg = dict(
+        model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = prepare(build_peft_model(cfg, device="cuda", lora_r=8), device="cuda")
+    engine = engine_of(model)
+    _slow_copies(monkeypatch)
+    ids = torch.randint(0, 512, (1, 128)).cuda()
+    engine.time_steps(True)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    timed = engine.timings()
+    engine.time_steps(False)
+    assert 0 < timed["compute_s"] < 0.5 * timed["block_forward_s"]
+    assert timed["copy_s"] > 2 * timed["compute_s"]
+
+
 @pytest.mark.parametrize(("keep", "resident"), [(0, 0), (6, 0), (0, 2), (2, 2)])
 def test_reload_is_ordered_before_a_frozen_linear_under_slow_copies(
     keep: int, resident: int, monkeypatch: pytest.MonkeyPatch

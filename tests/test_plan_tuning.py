@@ -147,14 +147,14 @@ def test_tuner_shrinks_on_an_allocator_retry() -> None:
     assert "9.00 GB reserved of 10.00 GB: 2 allocations retried at the budget" in lines[-1]
 
 
-def test_tuner_goes_back_to_the_fastest_plan() -> None:
+def test_tuner_keeps_a_growth_whose_step_timed_slower() -> None:
     tuner = _tuner(keep=4)
     # The first step (warm-up) leaves room for 12 more layers, by the estimate: 6 more keep (half, while the bytes
-    # per layer are not measured); still room: 6 more; that plan runs slower than the 10-layer one, so the tuner
-    # goes back to 10 and stops.
+    # per layer are not measured); still room: 6 more. The 16-layer plan times slower than the 10-layer one, but
+    # it only skips more recomputes: the difference is the machine's noise, and the plan stays.
     _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
     assert [s.keep_activations for s in tuner.history] == [4, 10, 16]
-    assert tuner.keep == 10 and tuner.done
+    assert tuner.keep == 16 and "slower" not in tuner.history[-1].action
 
 
 def test_tuner_grows_by_half_the_room_until_the_bytes_per_layer_are_measured() -> None:
@@ -279,13 +279,14 @@ def test_one_definition_of_the_engine_options(cls: type) -> None:
     assert {o.name for o in OPTIONS} - {"optimizer_on_host"} <= prepare_params.keys()
 
 
-def _timed_tuner(copy_ms: float, forward_ms: float, **kw) -> tuple[PlanTuner, list]:  # noqa: ANN003
-    """A tuner whose steps' device timings are ``copy_ms`` per block copy and ``forward_ms`` per block forward."""
+def _timed_tuner(copy_ms: float, forward_ms: float, compute_ms: float = 0.0, **kw) -> tuple[PlanTuner, list]:  # noqa: ANN003
+    """A tuner whose steps' device timings are ``copy_ms`` per block copy and ``forward_ms`` per block forward
+    (``compute_ms`` without the waits on copies; 0: not timed)."""
     calls: list = []
+    timed = {"copy_s": copy_ms / 1e3, "block_forward_s": forward_ms / 1e3, "compute_s": compute_ms / 1e3}
     tuner = _tuner(
         set_resident=lambda n: calls.append(("resident", n)), timer=lambda on: calls.append(("timer", on)),
-        timings=lambda: {"copy_s": copy_ms / 1e3, "block_forward_s": forward_ms / 1e3}, num_blocks=28,
-        block_bytes=GB // 4, **kw,
+        timings=lambda: timed, num_blocks=28, block_bytes=GB // 4, **kw,
     )  # fmt: skip
     return tuner, calls
 
@@ -298,7 +299,7 @@ def test_hidden_copies_turn_resident_blocks_into_kept_activations() -> None:
     _drive(tuner, [(5.0, *full), (1.0, *full), (1.2, *full)])  # the traded plan runs slower
     # 1.5 GB is three layers' activations by the estimate: half as many (one) while the estimate is not measured.
     assert [(s.keep_activations, s.resident_blocks) for s in tuner.history] == [(2, 6), (2, 6), (3, 4)]
-    assert "copies hidden" in tuner.history[1].action and ("resident", 4) in calls
+    assert "per byte, kept layers save more" in tuner.history[1].action and ("resident", 4) in calls
     assert tuner.history[1].copy_s == pytest.approx(4.7e-3)
     # Back to the measured plan, resident blocks included, and the timing stops.
     assert (tuner.keep, tuner.resident, tuner.done) == (2, 6, True) and calls[-2:] == [
@@ -309,7 +310,9 @@ def test_hidden_copies_turn_resident_blocks_into_kept_activations() -> None:
 
 
 def test_copies_that_bound_the_step_turn_kept_activations_into_resident_blocks() -> None:
-    tuner, calls = _timed_tuner(6.0, 6.1, keep=4, resident=0)
+    # A forward through the layers of 12 ms a block, waits included, of which 4 ms is the layers' own: each
+    # resident block (a quarter GB) would save 2 x 8 ms of exposed copies, each kept layer (half a GB) 4 ms.
+    tuner, calls = _timed_tuner(12.0, 12.1, compute_ms=4.0, keep=4, resident=0)
     full = (9 * GB, int(9.9 * GB), 0)
     _drive(tuner, [(5.0, *full), (1.0, *full), (0.9, *full)])  # faster: the new plan stays
     assert "copies bound the step" in tuner.history[1].action

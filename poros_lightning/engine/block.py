@@ -116,6 +116,9 @@ class LayerStreamer:
         # While the engine times its steps (StreamingEngine.time_steps): one [start, end] pair of CUDA events per
         # forward through the layers (recomputes excluded), on the compute stream.
         self.forward_events: list[list[Any]] | None = None
+        # ... and one pair per layer of those forwards, recorded after the wait on its block's copy: the layer's
+        # time on the compute stream without the waits (its kernels, or its host's issue where that is longer).
+        self.layer_events: list[tuple[Any, Any]] | None = None
 
     def _mark(self, index: int, end: bool) -> None:
         events = self.forward_events
@@ -152,6 +155,11 @@ class LayerStreamer:
         if not self._recomputing:
             for callback in self.on_forward:
                 callback(index)
+            if self.layer_events is not None and torch.is_grad_enabled():
+                start = _event()  # behind the compute stream's wait on the block's copy
+                out = original(*args, **kwargs)
+                self.layer_events.append((start, _event()))
+                return out
         return original(*args, **kwargs)
 
     def _reload(self, index: int, grad: torch.Tensor) -> None:

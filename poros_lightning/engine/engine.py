@@ -203,22 +203,27 @@ class StreamingEngine:
         on = enable and self.ring.use_streams
         self.ring.time_copies(on)
         self.streamer.forward_events = [] if on else None
+        self.streamer.layer_events = [] if on else None
 
     def timings(self) -> dict[str, float]:
-        """Seconds per block copy and per block of a forward through the layers since :meth:`time_steps`.
+        """Seconds per block copy, and per block of a forward through the layers, since :meth:`time_steps`.
 
-        Synchronizes. A block's forward is the device time of a forward through the layers over the number of
+        Synchronizes. ``block_forward_s`` is the device time of a forward through the layers over the number of
         blocks, waits on copies included: where the copies bound the step it is about a copy's time, where
-        compute or launches bound it, longer (Note: [measured plans] in engine/tuner.py).
+        compute or launches bound it, longer. ``compute_s`` is the same forward without the waits: each layer
+        timed from behind its wait on its block's copy (Note: [measured plans] in engine/tuner.py).
         """
         copies = self.ring.copy_stats()
         events = [(a, b) for a, b in self.streamer.forward_events or [] if b is not None]
         if events:
             events[-1][1].synchronize()
         forward = sum(a.elapsed_time(b) for a, b in events) / 1e3
+        compute = sum(a.elapsed_time(b) for a, b in self.streamer.layer_events or []) / 1e3
+        per_block = len(events) * self.num_blocks
         return {
             "copy_s": copies["seconds"] / copies["copies"] if copies["copies"] else 0.0,
-            "block_forward_s": forward / len(events) / self.num_blocks if events else 0.0,
+            "block_forward_s": forward / per_block if events else 0.0,
+            "compute_s": compute / per_block if events else 0.0,
         }
 
     def detach(self, device: torch.device | str | None = None, *, copy: bool = True) -> None:

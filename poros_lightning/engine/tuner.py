@@ -12,20 +12,23 @@ Note: [measured plans]
     - over the budget, or any retry: drop as many kept layers as the excess needs, plus one (then resident
       blocks, once no layer keeps its activations);
     - once, from the second step's device timings (engine ``timings()``: seconds per block copy, and per block
-      of a forward through the layers, waits on copies included), spend the memory where it buys time. A block
-      copy shorter than 90% of a block's forward is hidden behind compute or kernel launches: resident blocks
-      then save nothing, and their memory goes to kept activations (one layer's recompute fewer each; half as
-      many while the bytes per layer are estimated). A copy as long as the forward bounds the step: kept
-      activations' memory goes to resident blocks (two copies fewer each). The planner's starting point
-      estimates a layer forward from its tokens (``memory.planner.layer_forward_s``); this is where the card's
-      own numbers replace it (at Qwen2.5-32B on the H200, a 252 MB block copied in 4.7 ms against a 5.4 ms
-      layer forward: the copies were hidden, and the planned resident blocks bought nothing);
+      of a forward through the layers without the waits on copies, each layer timed from behind its wait),
+      spend the memory where it buys more time per byte (``memory.planner.resident_pays``): a kept layer skips a
+      forward's recompute; a resident block skips two copies, but saves only what of them the forward leaves
+      exposed. The planner's starting point estimates a layer forward from its tokens
+      (``memory.planner.layer_forward_s``); this is where the card's own numbers replace it. At Qwen2.5-32B on
+      the H100 a 252 MB block copied in 4.6 ms against a 4.4-8 ms forward: the 3 trades of kept layers for
+      resident blocks ran 1.01-1.06 times slower, 7 of the 10 trades the other way ran 0.65-1.00 times the
+      step before (planner_sweep.jsonl, the 32B seq 512 rows of 2026-12-07);
     - room for at least one more layer's activations (measured per layer once two plans have run, each peak
       less its resident blocks, which a trade changes at the same time): keep
       that many more, if the step got no slower than the fastest measured plan (3% for noise); while the bytes
       per layer are still the planner's estimate, only half as many (an estimate that was low for a family
       made the next step run out of memory on the H200: Gemma-4-31B, docs/benchmarks/families.jsonl);
-    - a plan slower than the fastest one measured goes back to the fastest, and the tuner stops.
+    - a plan slower than the fastest one measured goes back to the fastest, and the tuner stops; except a
+      plan that only grew its kept layers: it does strictly less work than the plan before it, and one step's
+      time varies by 10% on the same plan (Qwen2.5-7B, H100: one plan, 0.294 s and 0.326 s), so a slower step
+      there is the machine's noise, not the plan's (a growth that crowds the allocator shows as retries).
     It stops after ``steps`` measured steps (the last one only verifies: nothing grows that no step measured)
     or once nothing changes; the plan then stays. Everything else a plan chooses (slots, host-side options) is
     sized from exact byte counts at setup.
@@ -39,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from poros_lightning.memory.planner import resident_pays
 
 __all__ = ["PlanTuner", "TunerStep"]
 
@@ -56,6 +61,8 @@ class TunerStep:
     resident_blocks: int = 0
     copy_s: float = 0.0
     block_forward_s: float = 0.0
+    compute_s: float = 0.0
+    grew: bool = False
 
 
 @dataclass
@@ -142,6 +149,7 @@ class PlanTuner:
             if self.timings is not None and self._timing:
                 timed = self.timings()
                 step.copy_s, step.block_forward_s = timed.get("copy_s", 0.0), timed.get("block_forward_s", 0.0)
+                step.compute_s = timed.get("compute_s", 0.0)
             self.history.append(step)
             self._decide()
             if self.done:
@@ -207,10 +215,10 @@ class PlanTuner:
         if not last.copy_s or not last.block_forward_s:
             return False
         self._traded = True
-        timed = (
-            f"a block copies in {last.copy_s * 1e3:.1f} ms, a block's forward takes {last.block_forward_s * 1e3:.1f} ms"
-        )
-        if last.copy_s < 0.9 * last.block_forward_s and self.resident and self.keep < self.num_layers:
+        forward = last.compute_s or last.block_forward_s  # without the waits on copies, where they were timed
+        timed = f"a block copies in {last.copy_s * 1e3:.1f} ms, a block's forward takes {forward * 1e3:.1f} ms"
+        resident_first = resident_pays(last.copy_s, forward, self.block_bytes, per_layer)
+        if not resident_first and self.resident and self.keep < self.num_layers:
             freed = self.resident * self.block_bytes
             more = min(freed // per_layer, self.num_layers - self.keep)
             if not more:  # every resident block together holds less than one layer's activations
@@ -218,16 +226,16 @@ class PlanTuner:
             if more > 1 and not self.measured():  # as for room: half as many on an estimate
                 more //= 2
             resident = (freed - more * per_layer) // self.block_bytes
-            self._apply(self.keep + more, f"{timed}: copies hidden, {self.resident - resident} resident blocks "
-                        f"become {more} layers' kept activations", resident)  # fmt: skip
+            self._apply(self.keep + more, f"{timed}: per byte, kept layers save more, {self.resident - resident} "
+                        f"resident blocks become {more} layers' kept activations", resident)  # fmt: skip
             return True
         ring_blocks = max(self.num_blocks - 2, 0)  # the ring's two slots stream the rest
-        if last.copy_s >= 0.9 * last.block_forward_s and self.keep and self.resident < ring_blocks:
+        if resident_first and self.keep and self.resident < ring_blocks:
             freed = self.keep * per_layer
             more = min(freed // self.block_bytes, ring_blocks - self.resident)
             if more:
                 fewer = min(self.keep, -(-more * self.block_bytes // per_layer))
-                self._apply(self.keep - fewer, f"{timed}: copies bound the step, {fewer} layers' kept activations "
+                self._apply(self.keep - fewer, f"{timed}: copies bound the step, per byte resident blocks save more, {fewer} layers' kept activations "
                             f"become {more} resident blocks", self.resident + more)  # fmt: skip
                 return True
         return False
@@ -254,7 +262,8 @@ class PlanTuner:
                 self.done = True
             return
         timed = [s for s in self.history[1:] if not s.retries and s.peak_reserved <= self.budget]
-        if timed:
+        grown = len(self.history) > 1 and self.history[-2].grew  # more kept layers, nothing else: less work
+        if timed and not grown:
             fastest = min(timed, key=lambda s: s.seconds)
             if last is not self.history[0] and last.seconds > 1.03 * fastest.seconds:
                 self._apply(
@@ -275,6 +284,7 @@ class PlanTuner:
         if more > 1 and not self.measured():  # Note: [measured plans]: half the room on an estimate
             more //= 2
         if more > 0:
+            last.grew = True
             self._apply(self.keep + more, f"room for {more} more layers' activations")
         elif len(self.history) > 1:
             self._apply(self.keep, "the plan stays")
@@ -290,6 +300,7 @@ class PlanTuner:
                 "seconds": round(s.seconds, 4),
                 "copy_ms": round(s.copy_s * 1e3, 3),
                 "block_forward_ms": round(s.block_forward_s * 1e3, 3),
+                "compute_ms": round(s.compute_s * 1e3, 3),
                 "peak_allocated_gb": round(s.peak_allocated / 1e9, 3),
                 "peak_reserved_gb": round(s.peak_reserved / 1e9, 3),
                 "retries": s.retries,

@@ -38,6 +38,7 @@ __all__ = [
     "plan_engine",
     "plan_memory",
     "quantized_weight_bytes",
+    "resident_pays",
 ]
 
 
@@ -62,6 +63,22 @@ def layer_forward_s(plan: MemoryPlan) -> float:
     A streamed layer whose copy takes longer than this is bound by the link (Note: [link-bound layers]).
     """
     return max(LAYER_FORWARD_S, plan.layer_forward_flops / LAYER_FLOPS)
+
+
+def resident_pays(copy_s: float, forward_s: float, block_bytes: int, layer_bytes: int) -> bool:
+    """Whether memory buys more time as resident blocks than as kept activations (Note: [link-bound layers]).
+
+    A kept layer skips its recompute: one layer forward (``forward_s``, without waits on copies) fewer per step,
+    for ``layer_bytes``. A resident block skips its two copies per step, but saves only what of them the
+    forwards did not hide, at most ``2 * (copy_s - forward_s)``, for ``block_bytes``. Per byte, whichever saves
+    more: at Qwen2.5-72B (seq 512, 55 GB/s) a 453 MB block copies in 8.2 ms against a 4 ms forward, and resident
+    blocks pay; at 32B a 252 MB block copies in 4.6 ms against a forward of 4.4-8 ms, and kept layers do.
+    """
+    if layer_bytes <= 0:
+        return True
+    if block_bytes <= 0:
+        return False
+    return 2 * max(copy_s - forward_s, 0.0) / block_bytes > forward_s / layer_bytes
 
 
 @dataclass(frozen=True)
@@ -188,19 +205,24 @@ def plan_engine(
     Memory left over (10% of the budget is kept as headroom) buys either of two things. Resident blocks (spread
     over the model, copied once: two copies fewer each per step) pay where the link bounds the step; kept
     activations (``keep_activations``: the last layers skip their recompute, one layer forward fewer each per
-    step) pay where compute or kernel launches bound it. When a block's copy at ``link_gbps`` (default
-    :data:`DEFAULT_LINK_GBPS`) takes longer than a layer's forward (:func:`layer_forward_s`), the layers are
-    link-bound and resident blocks come first, kept activations from what is left; otherwise kept activations
-    come first, resident blocks from what is left (every layer kept, or less than one more layer's
-    activations). ``keep_activations=False``, and models whose layers share keys and values (which cannot keep
-    them), spend it all on resident blocks.
+    step) pay where compute or kernel launches bound it. When, per byte, a block's copy at ``link_gbps``
+    (default :data:`DEFAULT_LINK_GBPS`) left unhidden by a layer's forward (:func:`layer_forward_s`) costs more
+    than the forward a kept layer skips (:func:`resident_pays`), the layers are link-bound and resident blocks
+    come first, kept activations from what is left; otherwise kept activations come first, resident blocks from
+    what is left (every layer kept, or less than one more layer's activations). ``keep_activations=False``, and
+    models whose layers share keys and values (which cannot keep them), spend it all on resident blocks.
 
     Note: [link-bound layers]
         At Qwen2.5-72B on the H200 (seq 512), a 453 MB block takes 8.2 ms to copy at 55 GB/s, twice a layer's
         forward: the streamed forward waits on copies whatever else is on the device. With 24 GB, 22 spread
         resident blocks ran at 1.10x a resident step, while the same memory spent on 31 layers' kept
-        activations ran at 1.33x (docs/benchmarks.md, "72B: where the time goes"). At 7B a block copies in
-        2.3 ms and kept activations remain the better use.
+        activations ran at 1.33x (docs/benchmarks.md, "72B: where the time goes"). At 32B a 252 MB block copies
+        in 4.6 ms, about a layer's forward: the copies are hidden, and on the H100 every trade of kept layers
+        for resident blocks ran slower while the fastest plans kept the most layers (planner_sweep.jsonl, the
+        32B seq 512 rows of 2026-12-07). A block copied just longer than a forward is not worth a kept layer's
+        bytes: only the part of its copies the forward leaves exposed is saved, so the comparison is per byte
+        of what each saves (:func:`resident_pays`), not copy against forward. At 7B a block copies in 2.3 ms
+        and kept activations remain the better use.
     Larger blocks are not chosen: a layer per block already hides copies behind compute, and smaller slots
     leave more room for the rest.
 
@@ -328,15 +350,17 @@ def plan_engine(
     gbps = float(link_gbps) if link_gbps else DEFAULT_LINK_GBPS
     copy_s = plan.per_block_bytes / (gbps * 1e9)
     forward_s = layer_forward_s(plan)
-    link_bound = copy_s > forward_s
+    link_bound = resident_pays(copy_s, forward_s, plan.per_block_bytes, plan.activation_layer_bytes)
     resident = 0
     if keep_activations and spare > 0:
         why.append(
             f"a block copies in {copy_s * 1e3:.1f} ms at {gbps:.1f} GB/s, "
             + (
-                f"longer than a layer's forward (about {forward_s * 1e3:.0f} ms): resident blocks first"
+                f"against a layer's forward of about {forward_s * 1e3:.0f} ms: per byte, resident blocks save "
+                "more than kept activations: resident blocks first"
                 if link_bound
-                else f"within a layer's forward (about {forward_s * 1e3:.0f} ms): kept activations first"
+                else f"against a layer's forward of about {forward_s * 1e3:.0f} ms: per byte, kept activations "
+                "save more than resident blocks: kept activations first"
             )
         )
 
