@@ -482,3 +482,44 @@ def test_an_input_grads_hook_is_named_with_its_fix(caplog: pytest.LogCaptureFixt
     with caplog.at_level("WARNING", logger="poros_lightning.api"):
         prepare(model, device="cpu")
     assert "require grad" not in caplog.text
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: a tick of a counter, so that ``elapsed_time`` counts what was recorded between."""
+
+    clock = 0
+
+    def __init__(self) -> None:
+        _FakeEvent.clock += 1
+        self.at = _FakeEvent.clock
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return float(other.at - self.at)
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_timings_time_each_layer_once_per_forward_and_not_its_recompute(
+    monkeypatch: pytest.MonkeyPatch, keep: int
+) -> None:
+    """``compute_s``: one event pair per layer per forward (never in the recompute), inside the forward's pair."""
+    from poros_lightning.engine import block
+
+    monkeypatch.setattr(block, "_event", _FakeEvent)
+    model = prepare(build_peft_model(tiny_config(num_hidden_layers=4)), device="cpu", keep_activations=keep)
+    engine = engine_of(model)
+    streamer = engine.streamer
+    streamer.forward_events, streamer.layer_events = [], []  # what time_steps() sets on CUDA
+    ids = torch.randint(0, 256, (1, 16))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert len(streamer.forward_events) == 2 and len(streamer.layer_events) == 2 * 4
+    with torch.no_grad():  # an evaluation forward is not timed
+        model(input_ids=ids)
+    assert len(streamer.layer_events) == 2 * 4
+    timed = engine.timings()
+    # Each layer's pair spans one tick (nothing recorded inside it); the forward's pair spans the layers' pairs.
+    assert timed["compute_s"] == pytest.approx(1e-3)  # one tick (a "millisecond") per block and forward
+    assert timed["block_forward_s"] > timed["compute_s"] > 0
