@@ -235,8 +235,9 @@ class PlanTuner:
             more = min(freed // self.block_bytes, ring_blocks - self.resident)
             if more:
                 fewer = min(self.keep, -(-more * self.block_bytes // per_layer))
-                self._apply(self.keep - fewer, f"{timed}: copies bound the step, per byte resident blocks save more, {fewer} layers' kept activations "
-                            f"become {more} resident blocks", self.resident + more)  # fmt: skip
+                self._apply(self.keep - fewer, f"{timed}: copies bound the step, per byte resident blocks save "
+                            f"more, {fewer} layers' kept activations become {more} resident blocks",
+                            self.resident + more)  # fmt: skip
                 return True
         return False
 
