@@ -21,6 +21,7 @@ from poros_lightning.engine.engine import EngineOptions
 from poros_lightning.engine.tuner import PlanTuner
 from poros_lightning.lightning import planning
 from poros_lightning.memory.options import AUTO_MARGIN_BYTES, OPTIONS, auto_budget, defaults, resolve
+from poros_lightning.memory.planner import resident_pays
 
 GB = 10**9
 
@@ -286,7 +287,7 @@ def _timed_tuner(copy_ms: float, forward_ms: float, compute_ms: float = 0.0, **k
     timed = {"copy_s": copy_ms / 1e3, "block_forward_s": forward_ms / 1e3, "compute_s": compute_ms / 1e3}
     tuner = _tuner(
         set_resident=lambda n: calls.append(("resident", n)), timer=lambda on: calls.append(("timer", on)),
-        timings=lambda: timed, num_blocks=28, block_bytes=GB // 4, **kw,
+        timings=lambda: timed, num_blocks=28, block_bytes=GB // 4, pays=resident_pays, **kw,
     )  # fmt: skip
     return tuner, calls
 
@@ -367,6 +368,7 @@ def test_the_strategy_tuner_trades_resident_blocks_unless_they_were_set(
     tuner = planning.tuner_for(strategy, model, logging.getLogger("test"))
     assert tuner is not None and tuner.num_blocks == engine.num_blocks
     assert tuner.block_bytes == engine.store.max_block_bytes and tuner.timer == engine.time_steps
+    assert tuner.pays is resident_pays  # the planner's own rule
     if explicit:
         assert tuner.set_resident is None
     else:

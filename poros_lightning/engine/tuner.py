@@ -43,8 +43,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from poros_lightning.memory.planner import resident_pays
-
 __all__ = ["PlanTuner", "TunerStep"]
 
 
@@ -88,6 +86,9 @@ class PlanTuner:
         timings: the step's device timings, ``{"copy_s": ..., "block_forward_s": ...}`` (engine ``timings()``).
         timer: starts (``True``, which also clears what was timed) or stops (``False``) the device timing that
             ``timings`` reads (engine ``time_steps``); the tuner times its own steps only.
+        pays: ``pays(copy_s, forward_s, block_bytes, layer_bytes)``: whether memory saves more time per byte as
+            resident blocks than as kept activations (``memory.planner.resident_pays``, the planner's own rule);
+            ``None``: the tuner does not trade.
     """
 
     set_keep: Callable[[int], None]
@@ -107,6 +108,7 @@ class PlanTuner:
     block_bytes: int = 0
     timings: Callable[[], dict[str, float]] | None = None
     timer: Callable[[bool], None] | None = None
+    pays: Callable[[float, float, int, int], bool] | None = None
     history: list[TunerStep] = field(default_factory=list)
     done: bool = False
     _traded: bool = False
@@ -210,14 +212,16 @@ class PlanTuner:
 
     def _trade(self, last: TunerStep, per_layer: int) -> bool:
         """Moves memory between resident blocks and kept activations by the step's timings (Note: [measured plans])."""
-        if self._traded or self.set_resident is None or not self.block_bytes or len(self.history) < 2:
+        if self._traded or self.set_resident is None or self.pays is None or not self.block_bytes:
+            return False
+        if len(self.history) < 2:
             return False
         if not last.copy_s or not last.block_forward_s:
             return False
         self._traded = True
         forward = last.compute_s or last.block_forward_s  # without the waits on copies, where they were timed
         timed = f"a block copies in {last.copy_s * 1e3:.1f} ms, a block's forward takes {forward * 1e3:.1f} ms"
-        resident_first = resident_pays(last.copy_s, forward, self.block_bytes, per_layer)
+        resident_first = self.pays(last.copy_s, forward, self.block_bytes, per_layer)
         if not resident_first and self.resident and self.keep < self.num_layers:
             freed = self.resident * self.block_bytes
             more = min(freed // per_layer, self.num_layers - self.keep)

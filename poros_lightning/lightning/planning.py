@@ -17,7 +17,7 @@ from poros_lightning.api import input_grads_hooked
 from poros_lightning.engine.link import measure_h2d
 from poros_lightning.errors import PorosConfigError
 from poros_lightning.memory.options import AUTO_MARGIN_BYTES, AUTO_MARGIN_FRACTION, auto_budget, resolve
-from poros_lightning.memory.planner import EnginePlan, format_bytes, parse_bytes, plan_engine
+from poros_lightning.memory.planner import EnginePlan, format_bytes, parse_bytes, plan_engine, resident_pays
 
 __all__ = ["check_budget", "device_budget", "plan_for", "plan_record", "tuner_for", "use_expandable_segments"]
 
@@ -223,4 +223,5 @@ def tuner_for(strategy: Any, peft_model: nn.Module, log: logging.Logger) -> Any:
         block_bytes=engine.store.max_block_bytes,
         timings=engine.timings,
         timer=engine.time_steps,
+        pays=resident_pays,
     )

@@ -299,6 +299,7 @@ def bench_methods(
             and run.get("tune", True)
         ):
             from poros_lightning.engine.tuner import PlanTuner
+            from poros_lightning.memory.planner import resident_pays
 
             tuner = PlanTuner(
                 set_keep=engine.set_keep_activations, keep=engine.options.keep_activations,
@@ -307,6 +308,7 @@ def bench_methods(
                 set_resident=None if "resident_blocks" in run or not run.get("trade", True) else engine.set_resident_blocks,
                 resident=engine.options.resident_blocks, num_blocks=engine.num_blocks,
                 block_bytes=engine.store.max_block_bytes, timings=engine.timings, timer=engine.time_steps,
+                pays=resident_pays,
             )  # fmt: skip
         retries0 = int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if device == "cuda" else 0
         loads0 = engine.ring.loads if engine is not None else 0
