@@ -523,3 +523,26 @@ def test_timings_time_each_layer_once_per_forward_and_not_its_recompute(
     # Each layer's pair spans one tick (nothing recorded inside it); the forward's pair spans the layers' pairs.
     assert timed["compute_s"] == pytest.approx(1e-3)  # one tick (a "millisecond") per block and forward
     assert timed["block_forward_s"] > timed["compute_s"] > 0
+
+
+def test_timings_of_block_major_micro_batches_and_of_an_unfinished_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """k micro-batches: k pairs per layer in one forward; a forward that never finished (an error inside it) adds
+    none of its layers' pairs to ``compute_s``."""
+    from poros_lightning.engine import block
+    from poros_lightning.engine.microbatch import MicroBatches
+
+    monkeypatch.setattr(block, "_event", _FakeEvent)
+    model = build_peft_model(tiny_config(num_hidden_layers=4), lora_dropout=0.0)
+    base = model.get_base_model()
+    MicroBatches(base, [*base.model.layers, base.model.norm, base.lm_head], 2).install()
+    prepare(model, device="cpu")
+    engine = engine_of(model)
+    streamer = engine.streamer
+    streamer.forward_events, streamer.layer_events = [], []
+    ids = torch.randint(0, 256, (4, 16))
+    model(input_ids=ids, use_cache=False).logits.float().mean().backward()
+    assert len(streamer.forward_events) == 1 and len(streamer.layer_events) == 2 * 4
+    whole = engine.timings()["compute_s"]
+    streamer.forward_events.append([_FakeEvent(), None])  # a forward that stopped after two layers
+    streamer.layer_events += [(_FakeEvent(), _FakeEvent()), (_FakeEvent(), _FakeEvent())]
+    assert engine.timings()["compute_s"] == whole

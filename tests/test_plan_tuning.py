@@ -148,14 +148,21 @@ def test_tuner_shrinks_on_an_allocator_retry() -> None:
     assert "9.00 GB reserved of 10.00 GB: 2 allocations retried at the budget" in lines[-1]
 
 
-def test_tuner_keeps_a_growth_whose_step_timed_slower() -> None:
+def test_tuner_keeps_a_growth_whose_step_timed_a_little_slower() -> None:
     tuner = _tuner(keep=4)
     # The first step (warm-up) leaves room for 12 more layers, by the estimate: 6 more keep (half, while the bytes
-    # per layer are not measured); still room: 6 more. The 16-layer plan times slower than the 10-layer one, but
-    # it only skips more recomputes: the difference is the machine's noise, and the plan stays.
-    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
+    # per layer are not measured); still room: 6 more. The 16-layer plan times 10% slower than the 10-layer one,
+    # but it only skips more recomputes: that is the machine's noise, and the plan stays.
+    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.1, 8 * GB, 9 * GB, 0)])
     assert [s.keep_activations for s in tuner.history] == [4, 10, 16]
     assert tuner.keep == 16 and "slower" not in tuner.history[-1].action
+
+
+def test_tuner_goes_back_from_a_growth_slower_than_noise() -> None:
+    tuner = _tuner(keep=4)
+    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])  # 20% slower
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16]
+    assert tuner.keep == 10 and tuner.done and "slower than 1.000 s" in tuner.history[-1].action
 
 
 def test_tuner_grows_by_half_the_room_until_the_bytes_per_layer_are_measured() -> None:

@@ -274,6 +274,8 @@ def test_resident_blocks_pay_per_byte_of_what_they_save():
     # ... and on a PCIe 4.0 link (10.1 ms a copy) resident blocks pay again
     assert resident_pays(10.1e-3, 4e-3, 252 * mb, 246 * mb)
     assert resident_pays(1.0, 0.1, 252 * mb, 0) and not resident_pays(1.0, 0.1, 0, 246 * mb)
+    # a block of two layers: its 8 ms forward is two layers' 4 ms, so a kept layer saves 4 ms, not 8
+    assert not resident_pays(14e-3, 8e-3, 504 * mb, 246 * mb) and resident_pays(14e-3, 8e-3, 504 * mb, 246 * mb, 2)
 
 
 def test_a_layers_forward_grows_with_its_tokens():

@@ -128,6 +128,7 @@ class LayerStreamer:
             events.append([_event(), None])
         elif end and index == len(self.layers) - 1 and events:
             events[-1][1] = _event()  # the outermost call of the last layer ends last (micro-batches nest)
+            events[-1].append(len(self.layer_events or ()))  # the layers' pairs this forward closes
 
     def install(self) -> None:
         """Wrap every layer's forward (idempotent per engine)."""
@@ -155,10 +156,11 @@ class LayerStreamer:
         if not self._recomputing:
             for callback in self.on_forward:
                 callback(index)
-            if self.layer_events is not None and torch.is_grad_enabled():
+            events = self.layer_events
+            if events is not None and torch.is_grad_enabled():
                 start = _event()  # behind the compute stream's wait on the block's copy
                 out = original(*args, **kwargs)
-                self.layer_events.append((start, _event()))
+                events.append((start, _event()))
                 return out
         return original(*args, **kwargs)
 

@@ -214,11 +214,12 @@ class StreamingEngine:
         timed from behind its wait on its block's copy (Note: [measured plans] in engine/tuner.py).
         """
         copies = self.ring.copy_stats()
-        events = [(a, b) for a, b in self.streamer.forward_events or [] if b is not None]
+        events = [pair for pair in self.streamer.forward_events or [] if pair[1] is not None]
         if events:
-            events[-1][1].synchronize()
-        forward = sum(a.elapsed_time(b) for a, b in events) / 1e3
-        compute = sum(a.elapsed_time(b) for a, b in self.streamer.layer_events or []) / 1e3
+            events[-1][1].synchronize()  # and every layer's pair before it, on the same stream
+        forward = sum(pair[0].elapsed_time(pair[1]) for pair in events) / 1e3
+        closed = (self.streamer.layer_events or [])[: events[-1][2] if events else 0]  # not an unfinished forward's
+        compute = sum(a.elapsed_time(b) for a, b in closed) / 1e3
         per_block = len(events) * self.num_blocks
         return {
             "copy_s": copies["seconds"] / copies["copies"] if copies["copies"] else 0.0,

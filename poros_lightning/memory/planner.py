@@ -65,12 +65,15 @@ def layer_forward_s(plan: MemoryPlan) -> float:
     return max(LAYER_FORWARD_S, plan.layer_forward_flops / LAYER_FLOPS)
 
 
-def resident_pays(copy_s: float, forward_s: float, block_bytes: int, layer_bytes: int) -> bool:
+def resident_pays(
+    copy_s: float, forward_s: float, block_bytes: int, layer_bytes: int, layers_per_block: float = 1.0
+) -> bool:
     """Whether memory buys more time as resident blocks than as kept activations (Note: [link-bound layers]).
 
-    A kept layer skips its recompute: one layer forward (``forward_s``, without waits on copies) fewer per step,
-    for ``layer_bytes``. A resident block skips its two copies per step, but saves only what of them the
-    forwards did not hide, at most ``2 * (copy_s - forward_s)``, for ``block_bytes``. Per byte, whichever saves
+    A kept layer skips its recompute: one layer forward (``forward_s`` is a block's forward, without waits on
+    copies, over ``layers_per_block`` layers) fewer per step, for ``layer_bytes``. A resident block skips its two
+    copies per step, but saves only what of them the block's forward did not hide, at most
+    ``2 * (copy_s - forward_s)``, for ``block_bytes``. Per byte, whichever saves
     more: at Qwen2.5-72B (seq 512, 55 GB/s) a 453 MB block copies in 8.2 ms against a 4 ms forward, and resident
     blocks pay; at 32B a 252 MB block copies in 4.6 ms against a forward of 4.4-8 ms, and kept layers do.
     """
@@ -78,7 +81,7 @@ def resident_pays(copy_s: float, forward_s: float, block_bytes: int, layer_bytes
         return True
     if block_bytes <= 0:
         return False
-    return 2 * max(copy_s - forward_s, 0.0) / block_bytes > forward_s / layer_bytes
+    return 2 * max(copy_s - forward_s, 0.0) / block_bytes > forward_s / layers_per_block / layer_bytes
 
 
 @dataclass(frozen=True)

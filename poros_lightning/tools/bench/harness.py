@@ -401,8 +401,10 @@ def bench_methods(
                 )
         except torch.OutOfMemoryError as err:  # the row keeps what ran out, and where: the estimate's error
             row.update(oom=True, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None, oom_error=_oom_line(err))
-            if tuner is not None:  # the plans measured before it, and the step that grew into it
+            if tuner is not None:  # the plans measured before it, and the plan that ran out
                 row.update(tuned=type(tuner).summary(tuner.history), keep_activations=tuner.keep)
+                row.update(resident_blocks=tuner.resident)
+                engine.time_steps(False)
             if device == "cuda":
                 row.update(
                     oom_peak_allocated_gb=torch.cuda.max_memory_allocated() / 1e9,
