@@ -92,9 +92,8 @@ class PlanTuner:
         timer: starts (``True``, which also clears what was timed) or stops (``False``) the device timing that
             ``timings`` reads (engine ``time_steps``); the tuner times its own steps only.
         pays: ``pays(copy_s, forward_s, block_bytes, layer_bytes, layers_per_block)``: whether memory saves more
-            time per byte as
-            resident blocks than as kept activations (``memory.planner.resident_pays``, the planner's own rule);
-            ``None``: the tuner does not trade.
+            time per byte as resident blocks than as kept activations (``memory.planner.resident_pays``, the
+            planner's own rule); ``None``: the tuner does not trade.
     """
 
     set_keep: Callable[[int], None]
@@ -220,15 +219,15 @@ class PlanTuner:
         """Moves memory between resident blocks and kept activations by the step's timings (Note: [measured plans])."""
         if self._traded or self.set_resident is None or self.pays is None or not self.block_bytes:
             return False
-        if len(self.history) < 2:
+        if len(self.history) < 2:  # the first step's timings include its warm-up
             return False
         if not last.copy_s or not last.block_forward_s:
             return False
         self._traded = True
         forward = last.compute_s or last.block_forward_s  # without the waits on copies, where they were timed
         timed = f"a block copies in {last.copy_s * 1e3:.1f} ms, a block's forward takes {forward * 1e3:.1f} ms"
-        per_block = self.num_layers / self.num_blocks if self.num_blocks else 1.0
-        resident_first = self.pays(last.copy_s, forward, self.block_bytes, per_layer, per_block)
+        layers_per_block = self.num_layers / self.num_blocks if self.num_blocks else 1.0
+        resident_first = self.pays(last.copy_s, forward, self.block_bytes, per_layer, layers_per_block)
         if not resident_first and self.resident and self.keep < self.num_layers:
             freed = self.resident * self.block_bytes
             limit = self.num_layers if self._ceiling is None else self._ceiling  # never past what did not fit
