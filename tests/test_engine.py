@@ -500,22 +500,24 @@ class _FakeEvent:
         pass
 
 
-@pytest.mark.parametrize("keep", [0, 2])
-def test_timings_time_each_layer_once_per_forward_and_not_its_recompute(
+@pytest.mark.parametrize("keep", [0, 2, 4])
+def test_timings_time_each_layer_once_per_forward_and_each_recompute_apart(
     monkeypatch: pytest.MonkeyPatch, keep: int
 ) -> None:
-    """``compute_s``: one event pair per layer per forward (never in the recompute), inside the forward's pair."""
+    """``compute_s``: one event pair per layer per forward (never in the recompute), inside the forward's pair;
+    ``recompute_s``: one pair per recomputed layer per backward, none for a kept layer, per layer and forward."""
     from poros_lightning.engine import block
 
     monkeypatch.setattr(block, "_event", _FakeEvent)
     model = prepare(build_peft_model(tiny_config(num_hidden_layers=4)), device="cpu", keep_activations=keep)
     engine = engine_of(model)
     streamer = engine.streamer
-    streamer.forward_events, streamer.layer_events = [], []  # what time_steps() sets on CUDA
+    streamer.forward_events, streamer.layer_events, streamer.recompute_events = [], [], []  # as time_steps() on CUDA
     ids = torch.randint(0, 256, (1, 16))
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
     assert len(streamer.forward_events) == 2 and len(streamer.layer_events) == 2 * 4
+    assert sorted(i for i, _, _ in streamer.recompute_events) == sorted(2 * list(range(4 - keep)))
     with torch.no_grad():  # an evaluation forward is not timed
         model(input_ids=ids)
     assert len(streamer.layer_events) == 2 * 4
@@ -523,6 +525,7 @@ def test_timings_time_each_layer_once_per_forward_and_not_its_recompute(
     # Each layer's pair spans one tick (nothing recorded inside it); the forward's pair spans the layers' pairs.
     assert timed["compute_s"] == pytest.approx(1e-3)  # one tick (a "millisecond") per block and forward
     assert timed["block_forward_s"] > timed["compute_s"] > 0
+    assert timed["recompute_s"] == (pytest.approx(1e-3) if keep < 4 else 0.0)  # a tick per layer and backward
 
 
 def test_timings_of_block_major_micro_batches_and_of_an_unfinished_forward(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -538,11 +541,13 @@ def test_timings_of_block_major_micro_batches_and_of_an_unfinished_forward(monke
     prepare(model, device="cpu")
     engine = engine_of(model)
     streamer = engine.streamer
-    streamer.forward_events, streamer.layer_events = [], []
+    streamer.forward_events, streamer.layer_events, streamer.recompute_events = [], [], []
     ids = torch.randint(0, 256, (4, 16))
     model(input_ids=ids, use_cache=False).logits.float().mean().backward()
     assert len(streamer.forward_events) == 1 and len(streamer.layer_events) == 2 * 4
+    assert len(streamer.recompute_events) == 2 * 4  # each micro-batch recomputes each layer on its own
     whole = engine.timings()["compute_s"]
+    assert engine.timings()["recompute_s"] == pytest.approx(2e-3)  # a tick per pair, the 2 micro-batches' per layer
     streamer.forward_events.append([_FakeEvent(), None])  # a forward that stopped after two layers
     streamer.layer_events += [(_FakeEvent(), _FakeEvent()), (_FakeEvent(), _FakeEvent())]
     assert engine.timings()["compute_s"] == whole

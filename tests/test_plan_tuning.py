@@ -287,11 +287,14 @@ def test_one_definition_of_the_engine_options(cls: type) -> None:
     assert {o.name for o in OPTIONS} - {"optimizer_on_host"} <= prepare_params.keys()
 
 
-def _timed_tuner(copy_ms: float, forward_ms: float, compute_ms: float = 0.0, **kw) -> tuple[PlanTuner, list]:  # noqa: ANN003
+def _timed_tuner(
+    copy_ms: float, forward_ms: float, compute_ms: float = 0.0, recompute_ms: float = 0.0, **kw
+) -> tuple[PlanTuner, list]:  # noqa: ANN003
     """A tuner whose steps' device timings are ``copy_ms`` per block copy and ``forward_ms`` per block forward
-    (``compute_ms`` without the waits on copies; 0: not timed)."""
+    (``compute_ms`` without the waits on copies, ``recompute_ms`` a layer's recompute; 0: not timed)."""
     calls: list = []
     timed = {"copy_s": copy_ms / 1e3, "block_forward_s": forward_ms / 1e3, "compute_s": compute_ms / 1e3}
+    timed["recompute_s"] = recompute_ms / 1e3
     tuner = _tuner(
         set_resident=lambda n: calls.append(("resident", n)), timer=lambda on: calls.append(("timer", on)),
         timings=lambda: timed, num_blocks=28, block_bytes=GB // 4, pays=resident_pays, **kw,
@@ -325,6 +328,19 @@ def test_copies_that_bound_the_step_turn_kept_activations_into_resident_blocks()
     _drive(tuner, [(5.0, *full), (1.0, *full), (0.9, *full)])  # faster: the new plan stays
     assert "copies bound the step" in tuner.history[1].action
     assert (tuner.keep, tuner.resident, tuner.done) == (0, 8, True)  # 4 layers x 0.5 GB = 8 blocks x 0.25 GB
+
+
+@pytest.mark.parametrize(("recompute_ms", "traded"), [(0.0, True), (9.0, False)])
+def test_a_recompute_the_host_bounds_keeps_the_layers_kept(recompute_ms: float, traded: bool) -> None:
+    # Qwen2.5-32B, H100: 2.6 ms of a layer's kernels against a 4.6 ms copy made resident blocks look the better
+    # buy, and every such trade ran slower: the recomputes, bound by the host, cost 6.2-7.3 ms a layer. Here a
+    # block is a quarter GB and a layer half a GB: a resident block saves 2 x 2 ms (16 ms a GB), a kept layer
+    # its kernels' 2.6 ms (5.2 ms a GB) or its timed recompute's 9 ms (18 ms a GB).
+    tuner, _ = _timed_tuner(4.6, 4.6, compute_ms=2.6, recompute_ms=recompute_ms, keep=4, resident=0)
+    full = (9 * GB, int(9.9 * GB), 0)
+    _drive(tuner, [(5.0, *full), (1.0, *full)])
+    assert ("copies bound the step" in tuner.history[1].action) is traded
+    assert tuner.history[1].recompute_s == pytest.approx(recompute_ms / 1e3)
 
 
 def test_bytes_per_layer_are_measured_net_of_the_resident_blocks_a_trade_moved() -> None:

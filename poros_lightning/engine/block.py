@@ -119,6 +119,9 @@ class LayerStreamer:
         # ... and one pair per layer of those forwards, recorded after the wait on its block's copy: the layer's
         # time on the compute stream without the waits (its kernels, or its host's issue where that is longer).
         self.layer_events: list[tuple[Any, Any]] | None = None
+        # ... and one pair per layer recompute in the backward, also behind its wait: what a kept layer would skip,
+        # host issue included where the host bounds the recompute (Note: [measured plans] in engine/tuner.py).
+        self.recompute_events: list[tuple[int, Any, Any]] | None = None
 
     def _mark(self, index: int, end: bool) -> None:
         events = self.forward_events
@@ -153,6 +156,12 @@ class LayerStreamer:
 
     def _run(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.ring.ensure(self.block_of[index], backward=self._recomputing)
+        if self._recomputing and self.recompute_events is not None:
+            start = _event()  # behind the compute stream's wait on the block's reload
+            try:  # checkpoint's early stop ends a recompute by raising once it has what the backward needs
+                return original(*args, **kwargs)
+            finally:
+                self.recompute_events.append((index, start, _event()))
         if not self._recomputing:
             for callback in self.on_forward:
                 callback(index)

@@ -204,6 +204,7 @@ class StreamingEngine:
         self.ring.time_copies(on)
         self.streamer.forward_events = [] if on else None
         self.streamer.layer_events = [] if on else None
+        self.streamer.recompute_events = [] if on else None
 
     def timings(self) -> dict[str, float]:
         """Seconds per block copy, and per block of a forward through the layers, since :meth:`time_steps`.
@@ -212,6 +213,8 @@ class StreamingEngine:
         blocks, waits on copies included: where the copies bound the step it is about a copy's time, where
         compute or launches bound it, longer. ``compute_s`` is the same forward without the waits: each layer
         timed from behind its wait on its block's copy (Note: [measured plans] in engine/tuner.py).
+        ``recompute_s`` is the backward's recompute of one layer, per forward, timed the same way: what a kept
+        layer skips (0.0 where no layer recomputed).
         """
         copies = self.ring.copy_stats()
         events = [pair for pair in self.streamer.forward_events or [] if pair[1] is not None]
@@ -220,11 +223,17 @@ class StreamingEngine:
         forward = sum(pair[0].elapsed_time(pair[1]) for pair in events) / 1e3
         closed = (self.streamer.layer_events or [])[: events[-1][2] if events else 0]  # not an unfinished forward's
         compute = sum(a.elapsed_time(b) for a, b in closed) / 1e3
+        recomputes = self.streamer.recompute_events or []
+        if recomputes:
+            recomputes[-1][2].synchronize()
+        recomputed = len({index for index, _, _ in recomputes}) * len(events)
+        recompute = sum(a.elapsed_time(b) for _, a, b in recomputes) / 1e3
         per_block = len(events) * self.num_blocks
         return {
             "copy_s": copies["seconds"] / copies["copies"] if copies["copies"] else 0.0,
             "block_forward_s": forward / per_block if events else 0.0,
             "compute_s": compute / per_block if events else 0.0,
+            "recompute_s": recompute / recomputed if recomputed else 0.0,
         }
 
     def detach(self, device: torch.device | str | None = None, *, copy: bool = True) -> None:

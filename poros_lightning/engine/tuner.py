@@ -11,15 +11,17 @@ Note: [measured plans]
     again: a step that needed one ran at the edge of the budget, slowly):
     - over the budget, or any retry: drop as many kept layers as the excess needs, plus one (then resident
       blocks, once no layer keeps its activations);
-    - once, from the second step's device timings (engine ``timings()``: seconds per block copy, and per block
-      of a forward through the layers without the waits on copies, each layer timed from behind its wait),
-      spend the memory where it buys more time per byte (``memory.planner.resident_pays``): a kept layer skips a
-      forward's recompute; a resident block skips two copies, but saves only what of them the forward leaves
-      exposed. The planner's starting point estimates a layer forward from its tokens
-      (``memory.planner.layer_forward_s``); this is where the card's own numbers replace it. At Qwen2.5-32B on
-      the H100 a 252 MB block copied in 4.6 ms against a 4.4-8 ms forward: the 3 trades of kept layers for
-      resident blocks ran 1.01-1.06 times slower, 7 of the 10 trades the other way ran 0.65-1.00 times the
-      step before (planner_sweep.jsonl, the 32B seq 512 rows of 2026-12-07);
+    - once, from the second step's device timings (engine ``timings()``: seconds per block copy, per block of a
+      forward through the layers without the waits on copies, and per layer recompute in the backward, each
+      layer timed from behind its wait), spend the memory where it buys more time per byte
+      (``memory.planner.resident_pays``): a kept layer skips its recompute; a resident block skips two copies,
+      but saves only what of them the forward leaves exposed. The planner's starting point estimates a layer
+      forward from its tokens (``memory.planner.layer_forward_s``); this is where the card's own numbers
+      replace it. The recompute is timed on its own because the host can bound it where it does not bound the
+      forward: at Qwen2.5-32B on the H100 a 252 MB block copied in 4.6 ms against 2.6 ms of a layer's kernels,
+      which alone made resident blocks look the better buy, and all five trades of kept layers for resident
+      blocks ran 1.07-1.61 times slower, 6.2-7.3 ms per layer given up (planner_sweep.jsonl, run
+      2026-12-07T15:53:12; the tuner went back each time);
     - room for at least one more layer's activations (measured per layer once two plans have run, each peak
       less its resident blocks, which a trade changes at the same time): keep that many more; while the bytes
       per layer are still the planner's estimate, only half as many (an estimate that was low for a family
@@ -65,6 +67,7 @@ class TunerStep:
     copy_s: float = 0.0
     block_forward_s: float = 0.0
     compute_s: float = 0.0
+    recompute_s: float = 0.0
     grew: bool = False
 
 
@@ -91,7 +94,7 @@ class PlanTuner:
         timings: the step's device timings, ``{"copy_s": ..., "block_forward_s": ...}`` (engine ``timings()``).
         timer: starts (``True``, which also clears what was timed) or stops (``False``) the device timing that
             ``timings`` reads (engine ``time_steps``); the tuner times its own steps only.
-        pays: ``pays(copy_s, forward_s, block_bytes, layer_bytes, layers_per_block)``: whether memory saves more
+        pays: ``pays(copy_s, forward_s, block_bytes, layer_bytes, layers_per_block, recompute_s)``: whether memory saves more
             time per byte as resident blocks than as kept activations (``memory.planner.resident_pays``, the
             planner's own rule); ``None``: the tuner does not trade.
     """
@@ -113,7 +116,7 @@ class PlanTuner:
     block_bytes: int = 0
     timings: Callable[[], dict[str, float]] | None = None
     timer: Callable[[bool], None] | None = None
-    pays: Callable[[float, float, int, int, float], bool] | None = None
+    pays: Callable[[float, float, int, int, float, float], bool] | None = None
     history: list[TunerStep] = field(default_factory=list)
     done: bool = False
     _traded: bool = False
@@ -157,6 +160,7 @@ class PlanTuner:
                 timed = self.timings()
                 step.copy_s, step.block_forward_s = timed.get("copy_s", 0.0), timed.get("block_forward_s", 0.0)
                 step.compute_s = timed.get("compute_s", 0.0)
+                step.recompute_s = timed.get("recompute_s", 0.0)
             self.history.append(step)
             self._decide()
             if self.done:
@@ -226,8 +230,12 @@ class PlanTuner:
         self._traded = True
         forward = last.compute_s or last.block_forward_s  # without the waits on copies, where they were timed
         timed = f"a block copies in {last.copy_s * 1e3:.1f} ms, a block's forward takes {forward * 1e3:.1f} ms"
+        if last.recompute_s:
+            timed += f", a layer's recompute {last.recompute_s * 1e3:.1f} ms"
         layers_per_block = self.num_layers / self.num_blocks if self.num_blocks else 1.0
-        resident_first = self.pays(last.copy_s, forward, self.block_bytes, per_layer, layers_per_block)
+        resident_first = self.pays(
+            last.copy_s, forward, self.block_bytes, per_layer, layers_per_block, last.recompute_s
+        )
         if not resident_first and self.resident and self.keep < self.num_layers:
             freed = self.resident * self.block_bytes
             limit = self.num_layers if self._ceiling is None else self._ceiling  # never past what did not fit
@@ -314,6 +322,7 @@ class PlanTuner:
                 "copy_ms": round(s.copy_s * 1e3, 3),
                 "block_forward_ms": round(s.block_forward_s * 1e3, 3),
                 "compute_ms": round(s.compute_s * 1e3, 3),
+                "recompute_ms": round(s.recompute_s * 1e3, 3),
                 "peak_allocated_gb": round(s.peak_allocated / 1e9, 3),
                 "peak_reserved_gb": round(s.peak_reserved / 1e9, 3),
                 "retries": s.retries,

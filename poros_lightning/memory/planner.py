@@ -66,22 +66,31 @@ def layer_forward_s(plan: MemoryPlan) -> float:
 
 
 def resident_pays(
-    copy_s: float, forward_s: float, block_bytes: int, layer_bytes: int, layers_per_block: float = 1.0
+    copy_s: float,
+    forward_s: float,
+    block_bytes: int,
+    layer_bytes: int,
+    layers_per_block: float = 1.0,
+    recompute_s: float = 0.0,
 ) -> bool:
     """Whether memory buys more time as resident blocks than as kept activations (Note: [link-bound layers]).
 
-    A kept layer skips its recompute: one layer forward (``forward_s`` is a block's forward, without waits on
-    copies, over ``layers_per_block`` layers) fewer per step, for ``layer_bytes``. A resident block skips its two
-    copies per step, but saves only what of them the block's forward did not hide, at most
-    ``2 * (copy_s - forward_s)``, for ``block_bytes``. Per byte, whichever saves
-    more: at Qwen2.5-72B (seq 512, 55 GB/s) a 453 MB block copies in 8.2 ms against a 4 ms forward, and resident
-    blocks pay; at 32B a 252 MB block copies in 4.6 ms against a forward of 4.4-8 ms, and kept layers do.
+    A kept layer skips its recompute in the backward, for ``layer_bytes``: ``recompute_s``, one layer's
+    recompute where it was timed, else one layer forward (``forward_s`` is a block's forward, without waits on
+    copies, over ``layers_per_block`` layers). A resident block skips its two copies per step, but saves only
+    what of them the block's forward did not hide, at most ``2 * (copy_s - forward_s)``, for ``block_bytes``.
+    Per byte, whichever saves more: at Qwen2.5-72B (seq 512, 55 GB/s) a 453 MB block copies in 8.2 ms against
+    a 4 ms forward, and resident blocks pay; at 32B a 252 MB block copies in 4.6 ms against a forward of about
+    4 ms, and kept layers do. Where the host bounds the backward, a recompute costs more than the forward's
+    kernels: at 32B on the H100 a layer computed in 2.6 ms, and each kept layer given up for a resident block
+    added 6.2-7.3 ms to the step (planner_sweep.jsonl, run 2026-12-07T15:53:12).
     """
     if layer_bytes <= 0:
         return True
     if block_bytes <= 0:
         return False
-    return 2 * max(copy_s - forward_s, 0.0) / block_bytes > forward_s / layers_per_block / layer_bytes
+    kept = recompute_s if recompute_s > 0 else forward_s / layers_per_block
+    return 2 * max(copy_s - forward_s, 0.0) / block_bytes > kept / layer_bytes
 
 
 @dataclass(frozen=True)
