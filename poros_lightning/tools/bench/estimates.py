@@ -7,8 +7,9 @@ peak the card measured. A row whose host-side options differ from today's plan f
 measured another plan), as are rows without a budget or a measured peak. The ratio is the plan's word: at least
 1.0 when the model does not under-predict (``docs/planner.md``, "The estimate, plan by plan").
 
-The steps the tuner measured carry their own peaks; the timed steps after them carry the row's peak (the largest
-of all steps), which is compared with the final plan only when no tuned step ran a larger one.
+The steps the tuner measured carry their own peaks, all but the first (its forward and backward ran before the
+optimizer's first update created the moments); the timed steps after them carry the row's peak (the largest of all
+steps), which is compared with the final plan only when no tuned step ran a larger one.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ def estimate_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             "budget_gb": budget,
         }
         final = (int(row.get("keep_activations") or 0), int(row.get("resident_blocks") or 0))
-        # Tuned steps without a resident count come from a tuner that moved kept layers only: the row's count.
-        tuned = [t for t in row.get("tuned") or [] if t.get("peak_allocated_gb")]
+        # Tuned steps without a resident count come from a tuner that moved kept layers only: the row's count. The
+        # first step is left out: the optimizer creates its moments in that step's update, so its forward and
+        # backward ran without them (at Qwen2.5-32B 1.07 GB, which read the 8 GB plan as 1.43 times its peak).
+        tuned = [t for t in (row.get("tuned") or [])[1:] if t.get("peak_allocated_gb")]
         steps = [(t["keep_activations"], t.get("resident_blocks", final[1]), t["peak_allocated_gb"]) for t in tuned]
         if not steps or priced(*final) >= max(priced(k, r) for k, r, _ in steps):
             steps.append((*final, measured))
