@@ -296,6 +296,38 @@ def test_soup_trains_without_unsloth_and_its_refusal_names_the_trainers_error(
     assert (work / "soup.yaml").exists() and (work / "tokenized").is_dir()
 
 
+def test_soups_profiled_step_comes_after_its_timed_steps_and_is_marked_in_phases() -> None:
+    """``--profile``: the callback times ``steps`` steps after the warm-up, then runs one more under the profiler,
+    with the four phase marks the trace summary needs (forward start, forward end and backward end before the
+    optimizer, update end), untimed."""
+    from poros_lightning.tools.bench.peer_soup import _timer
+
+    class FakeProfile:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def start(self) -> None:
+            self.calls.append("start")
+
+        def mark(self) -> None:
+            self.calls.append("mark")
+
+        def stop(self) -> dict:
+            self.calls.append("stop")
+            return {"forward_s": 1.0}
+
+    times: list[float] = []
+    peaks: dict = {}
+    profiler = FakeProfile()
+    timer = _timer(lambda: None, lambda: None, lambda: {}, times, peaks, 2, 3, profiler)
+    for step in range(2 + 3 + 1):
+        timer.on_step_begin(None, None, None)
+        timer.on_pre_optimizer_step(None, None, None)
+        timer.on_step_end(None, None, None)
+        assert profiler.calls == ([] if step < 5 else ["start", "mark", "mark", "mark", "mark", "stop"])
+    assert len(times) == 3 and peaks == {"profile_forward_s": 1.0}
+
+
 def _report_rows() -> list[dict]:
     base = {"run_id": "r", "model": "Qwen/Qwen2.5-7B (random init)", "scale": "7B", "seq_len": 512, "source": "x"}
     return [

@@ -5,7 +5,10 @@ Soup's users write a ``soup.yaml`` and run ``soup train --config soup.yaml``; it
 layer to the GPU, training through TRL's ``SFTTrainer``. Here its data is the bench's token batches as a
 pre-tokenized dataset (``data.format: pre_tokenized``, the layout ``soup data preprocess`` writes), one epoch of
 exactly ``warmup + steps`` optimizer steps, and its CLI runs in this process with one addition: a trainer callback
-that times each optimizer step (synchronized at its start and end) and reads the peaks.
+that times each optimizer step (synchronized at its start and end) and reads the peaks. With ``spec["profile"]``
+(``bench run --profile``, CUDA) the epoch has one more step, which the callback runs under the CUDA profiler as
+``bench run --profile`` profiles ours (``profile_*`` fields; the backward runs inside the ``forward`` phase, as in
+our accumulating runs and the other peers').
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def _write_data(spec: dict[str, Any], work: Path) -> None:
     from datasets import Dataset
 
     rows = int(spec["batch_size"]) * int(spec["accumulate"])
-    batches = bench_batches(spec["vocab"], rows, spec["seq_len"], spec["warmup"] + spec["steps"])
+    count = spec["warmup"] + spec["steps"] + (1 if spec.get("profile") else 0)  # the profiled step last
+    batches = bench_batches(spec["vocab"], rows, spec["seq_len"], count)
     ids = [row.tolist() for batch in batches for row in batch]
     columns = {"input_ids": ids, "labels": ids, "attention_mask": [[1] * len(i) for i in ids]}
     Dataset.from_dict(columns).save_to_disk(str(work / "tokenized"))
@@ -77,9 +81,13 @@ def _timer(
     times: list[float],
     peaks: dict[str, float | None],
     warmup: int,
+    steps: int | None = None,
+    profiler: Any = None,
 ) -> Any:
     """A ``TrainerCallback`` timing each optimizer step, from its first micro-batch to its update, keeping the last
-    logged loss and reading the peaks when training ends (into ``peaks``)."""
+    logged loss and reading the peaks when training ends (into ``peaks``). With a ``profiler``
+    (:class:`~poros_lightning.tools.bench.timeline.CudaProfile`), the step after the ``warmup + steps`` timed ones
+    runs under it, untimed: its figures go into ``peaks`` as ``profile_*``."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -87,15 +95,29 @@ def _timer(
             self.step = 0
             self.start = 0.0
 
+        def _profiled(self) -> bool:
+            return profiler is not None and steps is not None and self.step == warmup + steps
+
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.step == 0:
                 reset_peaks()
             sync()
+            if self._profiled():
+                profiler.start()
+                profiler.mark()  # the forward (with each micro-batch's backward) begins
             self.start = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._profiled():
+                profiler.mark()
+                profiler.mark()  # no backward phase of its own, as in the other peers' profiled steps
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             sync()
-            if self.step >= warmup:
+            if self._profiled():
+                profiler.mark()
+                peaks.update({f"profile_{k}": v for k, v in profiler.stop().items()})
+            elif self.step >= warmup and (steps is None or self.step < warmup + steps):
                 times.append(time.perf_counter() - self.start)
             self.step += 1
 
@@ -126,7 +148,14 @@ def train_soup(
     (work / "soup.yaml").write_text(yaml.safe_dump(soup_config(spec), sort_keys=False))
     times: list[float] = []
     peaks: dict[str, float | None] = {"peak_vram_gb": None, "peak_reserved_gb": None}
-    timer = _timer(reset_peaks, sync, read_peaks, times, peaks, int(spec["warmup"]))
+    profiler = None
+    if spec.get("profile"):
+        import torch
+
+        from poros_lightning.tools.bench.timeline import CudaProfile
+
+        profiler = CudaProfile() if torch.cuda.is_available() else None
+    timer = _timer(reset_peaks, sync, read_peaks, times, peaks, int(spec["warmup"]), int(spec["steps"]), profiler)
     original = transformers.Trainer.__init__
 
     failed: list[BaseException] = []  # what a trainer's train() raised: Soup prints it and exits 1

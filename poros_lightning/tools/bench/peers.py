@@ -312,8 +312,7 @@ def run_peers(
     The checkpoint is written first under ``root`` (:func:`default_checkpoint_root` when None), or reused; a
     checkpoint that cannot be written makes every run a refused row. Each child gets ``timeout_s`` (a run's own
     ``timeout_s`` first; :data:`DEFAULT_TIMEOUT_S` when None). ``on_row`` gets each row as its run ends. ``profile``:
-    each peer that runs our loop (not Soup, whose trainer runs its own) profiles one more step, as ``bench run
-    --profile`` does ours.
+    each peer profiles one more step, as ``bench run --profile`` does ours (Soup's from a trainer callback).
     """
     from poros_lightning.arch import get_arch
     from poros_lightning.quant.hf_config import text_config

@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "MARKER",
+    "CudaProfile",
     "KERNEL_GROUPS",
     "kernel_summary",
     "runtime_summary",
@@ -218,10 +219,46 @@ def summarize_trace(
     return out
 
 
+class CudaProfile:
+    """One step under the CUDA profiler: :meth:`start`, a :meth:`mark` at each phase boundary (four for the
+    forward, the backward and the update, the first before the step's first kernel), :meth:`stop`, which
+    returns the step's figures (:func:`summarize_trace`, :func:`kernel_summary`, :func:`runtime_summary`). A
+    trainer that runs its own steps calls these from its callbacks."""
+
+    def __init__(self) -> None:
+        self._prof: Any = None
+
+    @staticmethod
+    def mark() -> None:
+        """A marker kernel (:data:`MARKER`) on the current stream: a phase boundary."""
+        import torch
+
+        torch.cuda._sleep(1)
+
+    def start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._prof.__enter__()
+
+    def stop(self) -> dict[str, Any]:
+        import torch
+
+        torch.cuda.synchronize()
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            trace = json.loads(path.read_text())
+        return {**summarize_trace(trace), **kernel_summary(trace), **runtime_summary(trace)}
+
+
 def profile_step(step: Callable[[Callable[[], None]], None]) -> dict[str, Any]:
-    """Run ``step(mark)`` once under the CUDA profiler and summarize it (:func:`summarize_trace`, and
-    :func:`kernel_summary` and :func:`runtime_summary` of the whole step); then once more under Python's profiler
-    (:func:`host_summary`, its own step: its overhead leaves the CUDA figures alone).
+    """Run ``step(mark)`` once under the CUDA profiler and summarize it (:class:`CudaProfile`); then once more
+    under Python's profiler (:func:`host_summary`, its own step: its overhead leaves the CUDA figures alone).
 
     ``step`` calls ``mark()`` at each phase boundary (four times: before the forward, after it, after
     the backward, after the update); ``mark`` queues a marker kernel on the current stream.
@@ -230,20 +267,11 @@ def profile_step(step: Callable[[Callable[[], None]], None]) -> dict[str, Any]:
     import pstats
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    def mark() -> None:
-        torch.cuda._sleep(1)
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(mark)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    summary = {**summarize_trace(trace), **kernel_summary(trace), **runtime_summary(trace)}
+    profiler = CudaProfile()
+    profiler.start()
+    step(profiler.mark)
+    summary = profiler.stop()
     host = cProfile.Profile()
     host.enable()
     step(lambda: None)
