@@ -898,3 +898,33 @@ def test_every_run_row_carries_the_hosts_own_speed(tmp_path: Path) -> None:
     assert main(["run", str(_one_step_config(tmp_path, runs=[{"method": "resident_gc"}, {"method": "poros"}]))]) == 0
     for row in _rows(tmp_path):
         assert 0 < row["host_launch_us"] < 10_000 and 0 < row["host_python_ns"] < 10_000
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_bf16_mixed_runs_each_forward_under_autocast(precision: str) -> None:
+    """``precision: bf16-mixed`` in a bench run: the forward and its loss under bf16 autocast, as
+    ``Trainer(precision="bf16-mixed")`` runs them; the default runs without."""
+    import torch
+    from conftest import build_peft_model
+
+    from poros_lightning.tools.bench.steps import step_loop
+
+    model = build_peft_model(lora_dropout=0.0)
+    seen: list[bool] = []
+    lora = next(m for name, m in model.named_modules() if name.endswith("lora_A.default"))
+    lora.register_forward_pre_hook(lambda module, args: seen.append(torch.is_autocast_enabled("cpu")))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert len(step_loop(model, [ids, ids], 1, 256, "cpu", precision=precision)) == 1
+    assert seen and all(s == (precision == "bf16-mixed") for s in seen)
+
+
+def test_a_bench_run_names_its_precision(tmp_path: Path) -> None:
+    cfg = {
+        "model": "tiny-qwen2", "model_config": tiny_config(), "scale": "tiny", "seq_lens": [16], "lora_r": 4,
+        "steps": 1, "warmup": 1, "runs": [{"method": "poros", "name": "amp", "precision": "bf16-mixed"}],
+        "out": str(tmp_path / "bench.jsonl"),
+    }  # fmt: skip
+    (row,) = _run(tmp_path, cfg)
+    assert row["precision"] == "bf16-mixed" and row["s_per_step"] > 0
+    with pytest.raises(PorosConfigError, match="precision: 32-true"):
+        _run(tmp_path, {**cfg, "runs": [{"method": "poros", "precision": "16-mixed"}]})

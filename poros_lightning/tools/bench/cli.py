@@ -85,6 +85,12 @@ def load_bench_config(path: str | Path) -> dict[str, Any]:
                 f"Unknown optimizer {run.get('optimizer')!r} of run {run.get('name', run.get('method'))!r} in {path}.",
                 "optimizer: adamw (torch.optim.AdamW, the default) or paged_adamw_8bit (bitsandbytes, CUDA only).",
             )
+        if run.get("precision", "32-true") not in ("32-true", "bf16-mixed"):
+            raise PorosConfigError(
+                f"Unknown precision {run.get('precision')!r} of run {run.get('name', run.get('method'))!r} in {path}.",
+                "precision: 32-true (the default: no autocast) or bf16-mixed (each forward under bf16 autocast, as "
+                "Trainer(precision='bf16-mixed')).",
+            )
         chunk = run.get("loss_chunk_tokens")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise PorosConfigError(

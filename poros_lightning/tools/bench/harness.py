@@ -206,7 +206,7 @@ def bench_methods(
         optimizer_on_host = bool(run.get("optimizer_on_host"))
         accumulate, micro = int(run.get("accumulate", 1)), int(run.get("micro_batches", 1))
         loss_chunk = run.get("loss_chunk_tokens")  # the LM head and the loss in chunks of this many tokens
-        optimizer = run.get("optimizer", "adamw")
+        optimizer, precision = run.get("optimizer", "adamw"), run.get("precision", "32-true")
         if micro > 1 and method != "poros":
             raise ValueError(f"micro_batches (block-major) is an engine option; run {method!r} takes accumulate")
         effective_batch = batch_size * accumulate * micro
@@ -256,6 +256,7 @@ def bench_methods(
             "effective_batch": effective_batch,
             "loss_chunk_tokens": loss_chunk,
             "optimizer": optimizer,
+            "precision": precision,
             "lora_r": lora_r,
             "quantization": quantization,
             "steps": steps,
@@ -344,6 +345,7 @@ def bench_methods(
                 tuner=tuner,
                 accumulate=accumulate,
                 loss_chunk_tokens=loss_chunk,
+                precision=precision,
                 optimizer=optimizer,
                 optimizer_prefetch=micro == 1,  # as PorosStrategy (Note: [when the state moves])
                 memtrace=traced,

@@ -130,6 +130,7 @@ def step_loop(
     optimizer: str = "adamw",
     optimizer_prefetch: bool = True,
     memtrace: dict[str, Any] | None = None,
+    precision: str = "32-true",
 ) -> list[float]:
     """Train on ``batches``; returns the synchronized wall time of each step after ``warmup``.
 
@@ -141,6 +142,8 @@ def step_loop(
     ``optimizer_on_host`` in after the backward, as ``PorosStrategy`` does under block-major micro-batches.
     ``loss_chunk_tokens`` computes the LM head and the loss that many tokens at a time, as
     ``LoRALightningModule(loss_chunk_tokens=...)`` does (:func:`chunked_token_loss`): the full logits never exist.
+    ``precision="bf16-mixed"`` runs each forward and its loss under bf16 autocast, as ``Trainer(precision=
+    "bf16-mixed")`` does with ``PorosPrecision`` (the LoRA matmuls in bf16 on fp32 weights); ``"32-true"`` without.
 
     With a slot ``ring``, its copies are timed from the first timed step on (see ``SlotRing.time_copies``).
     ``peaks`` (CUDA) receives the peak allocated bytes of the forward and backward (``forward_backward``)
@@ -201,6 +204,12 @@ def step_loop(
 
     def loss_of(ids: torch.Tensor, k: int = 1) -> torch.Tensor:
         """The batch's loss: one per micro-batch, averaged as accumulation does, when ``k`` block-major ones run."""
+        if precision == "bf16-mixed":  # as PorosPrecision.forward_context
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=False):
+                return _loss_of(ids, k)
+        return _loss_of(ids, k)
+
+    def _loss_of(ids: torch.Tensor, k: int = 1) -> torch.Tensor:
         if loss_chunk_tokens:
             return chunked_token_loss(model, ids, loss_chunk_tokens)
         logits = model(input_ids=ids, use_cache=False).logits
