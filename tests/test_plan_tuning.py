@@ -333,7 +333,7 @@ def test_copies_that_bound_the_step_turn_kept_activations_into_resident_blocks()
 @pytest.mark.parametrize(("recompute_ms", "traded"), [(0.0, True), (9.0, False)])
 def test_a_recompute_the_host_bounds_keeps_the_layers_kept(recompute_ms: float, traded: bool) -> None:
     # Qwen2.5-32B, H100: 2.6 ms of a layer's kernels against a 4.6 ms copy made resident blocks look the better
-    # buy, and every such trade ran slower: the recomputes, bound by the host, cost 6.2-7.3 ms a layer. Here a
+    # buy, and every such trade ran slower: the recomputes, bound by the host, cost 5.4-7.3 ms a layer. Here a
     # block is a quarter GB and a layer half a GB: a resident block saves 2 x 2 ms (16 ms a GB), a kept layer
     # its kernels' 2.6 ms (5.2 ms a GB) or its timed recompute's 9 ms (18 ms a GB).
     tuner, _ = _timed_tuner(4.6, 4.6, compute_ms=2.6, recompute_ms=recompute_ms, keep=4, resident=0)

@@ -19,8 +19,8 @@ Note: [measured plans]
       forward from its tokens (``memory.planner.layer_forward_s``); this is where the card's own numbers
       replace it. The recompute is timed on its own because the host can bound it where it does not bound the
       forward: at Qwen2.5-32B on the H100 a 252 MB block copied in 4.6 ms against 2.6 ms of a layer's kernels,
-      which alone made resident blocks look the better buy, and all five trades of kept layers for resident
-      blocks ran 1.07-1.61 times slower, 6.2-7.3 ms per layer given up (planner_sweep.jsonl, run
+      which alone made resident blocks look the better buy; the tuner traded kept layers for resident blocks
+      eight times, and undid five, which ran 1.07-1.60 times slower, 5.4-7.3 ms per layer given up (planner_sweep.jsonl, run
       2026-12-07T15:53:12; the tuner went back each time);
     - room for at least one more layer's activations (measured per layer once two plans have run, each peak
       less its resident blocks, which a trade changes at the same time): keep that many more; while the bytes

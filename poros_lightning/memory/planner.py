@@ -83,7 +83,7 @@ def resident_pays(
     a 4 ms forward, and resident blocks pay; at 32B a 252 MB block copies in 4.6 ms against a forward of about
     4 ms, and kept layers do. Where the host bounds the backward, a recompute costs more than the forward's
     kernels: at 32B on the H100 a layer computed in 2.6 ms, and each kept layer given up for a resident block
-    added 6.2-7.3 ms to the step (planner_sweep.jsonl, run 2026-12-07T15:53:12).
+    added 5.4-7.3 ms to the step (planner_sweep.jsonl, run 2026-12-07T15:53:12).
     """
     if layer_bytes <= 0:
         return True
