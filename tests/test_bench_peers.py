@@ -326,6 +326,14 @@ def test_soups_profiled_step_comes_after_its_timed_steps_and_is_marked_in_phases
         timer.on_step_end(None, None, None)
         assert profiler.calls == ([] if step < 5 else ["start", "mark", "mark", "mark", "mark", "stop"])
     assert len(times) == 3 and peaks == {"profile_forward_s": 1.0}
+    broken = FakeProfile()
+    broken.stop = lambda: {}["no trace"]  # type: ignore[method-assign]  # a trace without its phase marks
+    peaks.clear()
+    timer = _timer(lambda: None, lambda: None, lambda: {}, times, peaks, 0, 1, broken)
+    for _ in range(2):
+        timer.on_step_begin(None, None, None)
+        timer.on_step_end(None, None, None)
+    assert peaks == {"profile_error": "KeyError: 'no trace'"}  # the run goes on, its timed steps kept
 
 
 def _report_rows() -> list[dict]:

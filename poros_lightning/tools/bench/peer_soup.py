@@ -116,7 +116,10 @@ def _timer(
             sync()
             if self._profiled():
                 profiler.mark()
-                peaks.update({f"profile_{k}": v for k, v in profiler.stop().items()})
+                try:  # the timed steps are in hand: a profile that cannot be read loses nothing else
+                    peaks.update({f"profile_{k}": v for k, v in profiler.stop().items()})
+                except Exception as err:  # noqa: BLE001 - e.g. a trainer that skipped a phase's callback
+                    peaks["profile_error"] = f"{type(err).__name__}: {err}"
             elif self.step >= warmup and (steps is None or self.step < warmup + steps):
                 times.append(time.perf_counter() - self.start)
             self.step += 1
