@@ -20,8 +20,8 @@ Note: [measured plans]
       replace it. The recompute is timed on its own because the host can bound it where it does not bound the
       forward: at Qwen2.5-32B on the H100 a 252 MB block copied in 4.6 ms against 2.6 ms of a layer's kernels,
       which alone made resident blocks look the better buy; the tuner traded kept layers for resident blocks
-      eight times, and undid five, which ran 1.07-1.60 times slower, 5.4-7.3 ms per layer given up (planner_sweep.jsonl, run
-      2026-12-07T15:53:12; the tuner went back each time);
+      in eight of ten runs, none faster, and undid five that ran 1.07-1.60 times slower, 5.4-7.3 ms per layer
+      given up (planner_sweep.jsonl, run 2026-12-07T15:53:12);
     - room for at least one more layer's activations (measured per layer once two plans have run, each peak
       less its resident blocks, which a trade changes at the same time): keep that many more; while the bytes
       per layer are still the planner's estimate, only half as many (an estimate that was low for a family
@@ -94,9 +94,9 @@ class PlanTuner:
         timings: the step's device timings, ``{"copy_s": ..., "block_forward_s": ...}`` (engine ``timings()``).
         timer: starts (``True``, which also clears what was timed) or stops (``False``) the device timing that
             ``timings`` reads (engine ``time_steps``); the tuner times its own steps only.
-        pays: ``pays(copy_s, forward_s, block_bytes, layer_bytes, layers_per_block, recompute_s)``: whether memory saves more
-            time per byte as resident blocks than as kept activations (``memory.planner.resident_pays``, the
-            planner's own rule); ``None``: the tuner does not trade.
+        pays: ``pays(copy_s, forward_s, block_bytes, layer_bytes, layers_per_block, recompute_s)``: whether
+            memory saves more time per byte as resident blocks than as kept activations
+            (``memory.planner.resident_pays``, the planner's own rule); ``None``: the tuner does not trade.
     """
 
     set_keep: Callable[[int], None]
