@@ -404,7 +404,7 @@ def bench_methods(
         except torch.OutOfMemoryError as err:  # the row keeps what ran out, and where: the estimate's error
             row.update(oom=True, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None, oom_error=_oom_line(err))
             if tuner is not None:  # the plans measured before it, and the plan that ran out
-                row.update(tuned=type(tuner).summary(tuner.history), keep_activations=tuner.keep)
+                row.update(tuned=PlanTuner.summary(tuner.history), keep_activations=tuner.keep)
                 row.update(resident_blocks=tuner.resident)
                 engine.time_steps(False)
             if device == "cuda":
