@@ -142,10 +142,12 @@ def _qv_grads(keep: int | None, steps: int = 3, resident: int = 0) -> list[list[
 
 
 def test_timings_leave_the_waits_on_copies_out_of_the_layers_own_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Copies slowed down: the forward through the layers waits on them (``block_forward_s``, about a copy), the
-    layers' own time (``compute_s``) and their recomputes' (``recompute_s``, what the tuner weighs a kept layer
-    by) do not (Note: [measured plans]). A first step, untimed, takes the process's one-time setup (cuBLAS
-    handles, the 4-bit kernels' first calls) out of the layers' time, as the tuner does."""
+    """Copies slowed down: the forward through the layers waits on them (``block_forward_s`` grows), the layers'
+    own time (``compute_s``) and their recomputes' (``recompute_s``, what the tuner weighs a kept layer by) do not
+    (Note: [measured plans]). Each is compared with the same steps at full copy speed, the least of three timed
+    steps each, after an untimed first step (the process's one-time setup: cuBLAS handles, the 4-bit kernels'
+    first calls). A layer of this model is bound by its host's issue, so its time is compared with itself, not
+    with a copy's."""
     from poros_lightning import prepare
     from poros_lightning.api import engine_of
     from poros_lightning.tools.parity.build import build_peft_model
@@ -156,15 +158,26 @@ def test_timings_leave_the_waits_on_copies_out_of_the_layers_own_time(monkeypatc
     )  # fmt: skip
     model = prepare(build_peft_model(cfg, device="cuda", lora_r=8), device="cuda")
     engine = engine_of(model)
-    _slow_copies(monkeypatch)
     ids = torch.randint(0, 512, (1, 128)).cuda()
+
+    def least_of_three() -> dict[str, float]:
+        timed = []
+        for _ in range(3):
+            engine.time_steps(True)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            timed.append(engine.timings())
+            engine.time_steps(False)
+        return {key: min(t[key] for t in timed) for key in timed[0]}
+
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    engine.time_steps(True)
-    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    timed = engine.timings()
-    engine.time_steps(False)
-    assert 0 < timed["compute_s"] < 0.5 * timed["block_forward_s"], timed  # each copy waits ~12 ms behind the sleep
-    assert 0 < timed["recompute_s"] < 0.5 * timed["block_forward_s"], timed
+    fast = least_of_three()
+    _slow_copies(monkeypatch)  # each copy waits ~10 ms behind a sleep on the copy stream
+    slow = least_of_three()
+    waits = slow["block_forward_s"] - fast["block_forward_s"]
+    seen = {"fast": fast, "slow": slow}
+    assert waits > 2e-3, seen  # the forward through the layers waits on the slowed copies
+    assert 0 < slow["compute_s"] < fast["compute_s"] + 0.25 * waits, seen
+    assert 0 < slow["recompute_s"] < fast["recompute_s"] + 0.25 * waits, seen
 
 
 @pytest.mark.parametrize(("keep", "resident"), [(0, 0), (6, 0), (0, 2), (2, 2)])
