@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 
 import lightning as L
 import pytest
@@ -114,19 +115,28 @@ def _tuner(**kw) -> PlanTuner:  # noqa: ANN003
     )  # fmt: skip
 
 
-def _drive(tuner: PlanTuner, steps: list[tuple[float, int, int, int]]) -> None:
-    """Feed the tuner measured steps ``(seconds, peak allocated, peak reserved, retries)``."""
+Steps = list[tuple[float, int, int, int]]
+
+
+def _drive(tuner: PlanTuner, steps: Steps) -> Callable[[Steps], None]:
+    """Feed the tuner measured steps ``(seconds, peak allocated, peak reserved, retries)``; returns the function
+    that feeds it more."""
     clock = [0.0]
     stats = [(0, 0, 0)]
     tuner.clock = lambda: clock[0]
     tuner.stats = lambda: stats[0]
     tuner.reset = lambda: None
     tuner.step_boundary()
-    for seconds, allocated, reserved, retries in steps:
-        clock[0] += seconds
-        stats[0] = (allocated, reserved, retries)
-        tuner.step_boundary()
-        stats[0] = (0, 0, 0)
+
+    def feed(more: Steps) -> None:
+        for seconds, allocated, reserved, retries in more:
+            clock[0] += seconds
+            stats[0] = (allocated, reserved, retries)
+            tuner.step_boundary()
+            stats[0] = (0, 0, 0)
+
+    feed(steps)
+    return feed
 
 
 def test_tuner_shrinks_a_plan_over_its_budget_and_never_grows_past_it() -> None:
@@ -160,9 +170,28 @@ def test_tuner_keeps_a_growth_whose_step_timed_a_little_slower() -> None:
 
 def test_tuner_goes_back_from_a_growth_slower_than_noise() -> None:
     tuner = _tuner(keep=4)
-    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])  # 20% slower
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])  # 20% slower
     assert [s.keep_activations for s in tuner.history] == [4, 10, 16]
-    assert tuner.keep == 10 and tuner.done and "slower than 1.000 s" in tuner.history[-1].action
+    assert tuner.keep == 16 and not tuner.done and "runs once more" in tuner.history[-1].action  # one step's noise?
+    more([(1.25, 8 * GB, 9 * GB, 0)])  # slower again: judged by the faster of its two steps, 1.2 s
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16, 16]
+    assert tuner.keep == 10 and tuner.done and "slower than 1.000 s: back to that plan" in tuner.history[-1].action
+
+
+def test_a_plan_that_timed_slower_once_is_judged_by_its_faster_step() -> None:
+    # Qwen2.5-7B, seq 2048, H100: the same 10 kept layers ran 0.374 s in one round and 0.466 s in the next, where
+    # that one step, 18% slower than the 9-layer plan's 0.394 s, sent the plan back.
+    tuner = _tuner(keep=4)
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
+    more([(0.95, 8 * GB, 9 * GB, 0)])  # its second step is the fastest measured: the plan stays
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16, 16]
+    assert tuner.keep == 16 and tuner.done and tuner.history[-1].action == "the plan stays"  # 1 GB a layer, 0.9 GB room
+
+
+def test_the_last_step_judges_a_slower_plan_without_another_step() -> None:
+    tuner = _tuner(keep=4, steps=3)
+    _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
+    assert tuner.keep == 10 and tuner.done and "back to that plan" in tuner.history[-1].action
 
 
 def test_tuner_grows_by_half_the_room_until_the_bytes_per_layer_are_measured() -> None:
@@ -307,9 +336,10 @@ def test_hidden_copies_turn_resident_blocks_into_kept_activations() -> None:
     # are 1.5 GB: three layers' activations at half a GB. The budget is full, so only the trade moves the plan.
     tuner, calls = _timed_tuner(4.7, 5.4, keep=2, resident=6)
     full = (9 * GB, int(9.9 * GB), 0)
-    _drive(tuner, [(5.0, *full), (1.0, *full), (1.2, *full)])  # the traded plan runs slower
+    _drive(tuner, [(5.0, *full), (1.0, *full), (1.2, *full), (1.1, *full)])  # the traded plan runs slower, twice
     # 1.5 GB is three layers' activations by the estimate: half as many (one) while the estimate is not measured.
-    assert [(s.keep_activations, s.resident_blocks) for s in tuner.history] == [(2, 6), (2, 6), (3, 4)]
+    assert [(s.keep_activations, s.resident_blocks) for s in tuner.history] == [(2, 6), (2, 6), (3, 4), (3, 4)]
+    assert "runs once more" in tuner.history[2].action
     assert "per byte, kept layers save more" in tuner.history[1].action and ("resident", 4) in calls
     assert tuner.history[1].copy_s == pytest.approx(4.7e-3)
     # Back to the measured plan, resident blocks included, and the timing stops.
@@ -317,7 +347,7 @@ def test_hidden_copies_turn_resident_blocks_into_kept_activations() -> None:
         ("resident", 6),
         ("timer", False),
     ]
-    assert calls.count(("timer", True)) == 3
+    assert calls.count(("timer", True)) == 4
 
 
 def test_copies_that_bound_the_step_turn_kept_activations_into_resident_blocks() -> None:
