@@ -114,3 +114,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
     for message, category in _quiet.WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{re.escape(message)}:{category.__name__}")
+
+
+pytest_plugins = ["results_jsonl"]  # --results-jsonl PATH: the raw record of a run, a row per test
