@@ -9,7 +9,7 @@ import pytest
 from test_bench import _one_step_config
 
 from poros_lightning.tools.bench.cli import main
-from poros_lightning.tools.bench.memtrace import MARKER, NO_FRAME, label, peak_breakdown
+from poros_lightning.tools.bench.memtrace import MARKER, NO_FRAME, label, peak_breakdown, reserved_by_stream
 
 NORM = [
     {"filename": "/x/site-packages/torch/_tensor.py", "line": 5, "name": "to"},
@@ -97,6 +97,11 @@ def test_memtrace_is_cuda_only_and_the_report_prints_traced_rows(tmp_path: Path,
         "memtrace_phase": "update",
         "memtrace_max_allocated_gb": 2.01,
         "memtrace_top": [{"where": "before the step", "gb": 1.5, "count": 0}, {"where": "a|b", "gb": 0.12, "count": 3}],
+        "memtrace_reserved_peak_gb": 3.2,
+        "memtrace_by_stream": [
+            {"stream": "side 1", "reserved_gb": 1.1, "allocated_gb": 0.0, "free_gb": 1.1},
+            {"stream": "compute", "reserved_gb": 2.1, "allocated_gb": 1.97, "free_gb": 0.13},
+        ],
     }
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps(row) + "\n" + json.dumps(traced) + "\n")
@@ -104,6 +109,8 @@ def test_memtrace_is_cuda_only_and_the_report_prints_traced_rows(tmp_path: Path,
     out = capsys.readouterr().out
     assert "| 7B | 512 | poros_min | 1.970 | 2.010 | update | 1.869 | `before the step` | 1.500 | 0 |" in out
     assert "|  |  |  |  |  |  |  | `a/b` | 0.120 | 3 |" in out
+    assert "| 7B | 512 | poros_min | 3.200 | side 1 | 1.100 | 0.000 | 1.100 |" in out
+    assert "|  |  |  |  | compute | 2.100 | 1.970 | 0.130 |" in out
 
 
 def test_record_step_keeps_the_allocators_peak_across_the_steps_resets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +137,8 @@ def test_record_step_keeps_the_allocators_peak_across_the_steps_resets(monkeypat
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: state["max"])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", history)
-    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace]})
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace], "segments": []})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: type("S", (), {"cuda_stream": 0})())
 
     def step(mark: object) -> None:
         state["max"] = 2048  # the forward's peak, then the step's own reset at the phase boundary
@@ -148,3 +156,37 @@ def test_record_step_keeps_the_allocators_peak_across_the_steps_resets(monkeypat
         memtrace.record_step(failing)
     assert torch.cuda.reset_peak_memory_stats is fake_reset and state["history"] is None
     assert original is not fake_reset
+
+
+def test_reserved_by_stream_finds_a_side_pools_free_memory_at_the_reserved_peak() -> None:
+    """A side stream's pool (stream 7) allocates a copy, frees it, and cannot reuse it for the next copy: it grows.
+    Its 600 units are free when the compute stream (0) grows to its own peak: the step reserves them for nothing."""
+    U = 10**8  # bytes per unit
+
+    def ev(action: str, size: int, stream: int) -> dict:
+        return {"action": action, "addr": 0, "size": size * U, "stream": stream}
+
+    trace = [
+        ev("alloc", 200, 0),
+        ev("alloc", 300, 7),  # the first copy
+        ev("free_requested", 300, 7),
+        ev("segment_map", 300, 7),  # the second copy finds the first's block still in use on the GPU
+        ev("alloc", 300, 7),
+        ev("free_requested", 300, 7),
+        ev("segment_map", 400, 0),
+        ev("alloc", 500, 0),  # the compute stream's peak: 700 allocated of 1000 reserved
+        ev("free_requested", 600, 0),
+        ev("segment_unmap", 400, 0),
+    ]
+    end = [
+        {"stream": 0, "total_size": 600 * U, "allocated_size": 100 * U},
+        {"stream": 7, "total_size": 600 * U, "allocated_size": 0},
+    ]
+    out = reserved_by_stream(trace, end, compute=0)
+    assert out["reserved_peak_gb"] == 160.0  # 1600 x 0.1 GB
+    assert out["by_stream"] == [
+        {"stream": "side 1", "reserved_gb": 60.0, "allocated_gb": 0.0, "free_gb": 60.0},
+        {"stream": "compute", "reserved_gb": 100.0, "allocated_gb": 70.0, "free_gb": 30.0},
+    ]
+    # Without events the breakdown is the segments as they are.
+    assert reserved_by_stream([], end, compute=0)["reserved_peak_gb"] == 120.0

@@ -22,6 +22,14 @@ Note: [phases]
     update: the bench's step loop does). Each mark allocates one element from :data:`MARKER`, so the boundary is an
     event of the trace itself, in its order, whatever clock the allocator keeps; the replay counts these events,
     leaves them out of the bytes, and names the phase the peak fell in.
+
+Note: [reserved by stream]
+    The caching allocator keeps a pool per stream: a block freed by an allocation of one stream is reused only by
+    allocations of that stream. What a step reserves beyond what it allocates is then partly free memory of a side
+    stream's pool that the compute stream cannot use. :func:`reserved_by_stream` replays the trace's segment events
+    (``segment_alloc``/``segment_map`` add, ``segment_free``/``segment_unmap`` take away) and its allocations, per
+    stream, from where the step started (the end's ``segments``, less what the trace changed), and reports each
+    stream's reserved, allocated and free bytes at the step's reserved peak.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["MARKER", "NO_FRAME", "PHASES", "label", "peak_breakdown", "record_step"]
+__all__ = ["MARKER", "NO_FRAME", "PHASES", "label", "peak_breakdown", "record_step", "reserved_by_stream"]
 
 NO_FRAME = "(autograd engine, no Python frame)"
 MARKER = "_memtrace_phase_marker"
@@ -125,6 +133,60 @@ def peak_breakdown(trace: list[Mapping[str, Any]], baseline: int, top: int = 12)
     }
 
 
+_GROW = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+_USE = {"alloc": 1, "free_requested": -1}
+
+
+def reserved_by_stream(
+    trace: list[Mapping[str, Any]], segments: Iterable[Mapping[str, Any]], compute: int = 0
+) -> dict[str, Any]:
+    """Each stream's reserved, allocated and free bytes at the trace's reserved peak (Note: [reserved by stream]).
+
+    Args:
+        trace: one device's events, each with ``action``, ``size`` and ``stream``.
+        segments: that device's segments when the trace ended (``total_size``, ``allocated_size``, ``stream``).
+        compute: the compute stream's id (named ``compute``; other streams are ``side 1``, ``side 2``, ... in the
+            order they first appear).
+
+    Returns:
+        ``reserved_peak_gb`` and ``by_stream``: ``{"stream", "reserved_gb", "allocated_gb", "free_gb"}`` per stream
+        at that peak (of its moments, the one with the most allocated), the most free first.
+    """
+    reserved: dict[int, int] = {}
+    allocated: dict[int, int] = {}
+    for seg in segments:
+        stream = int(seg.get("stream", 0))
+        reserved[stream] = reserved.get(stream, 0) + int(seg.get("total_size", 0))
+        allocated[stream] = allocated.get(stream, 0) + int(seg.get("allocated_size", 0))
+    for event in trace:  # back to the step's start
+        stream, size = int(event.get("stream", 0)), int(event.get("size", 0))
+        reserved[stream] = reserved.get(stream, 0) - _GROW.get(str(event.get("action")), 0) * size
+        allocated[stream] = allocated.get(stream, 0) - _USE.get(str(event.get("action")), 0) * size
+    key = (sum(reserved.values()), sum(allocated.values()))
+    best = (key, dict(reserved), dict(allocated))
+    for event in trace:  # the peak of reserved; of its moments, the one with the most allocated
+        stream, size, action = int(event.get("stream", 0)), int(event.get("size", 0)), str(event.get("action"))
+        reserved[stream] = reserved.get(stream, 0) + _GROW.get(action, 0) * size
+        allocated[stream] = allocated.get(stream, 0) + _USE.get(action, 0) * size
+        key = (sum(reserved.values()), sum(allocated.values()))
+        if key > best[0]:
+            best = (key, dict(reserved), dict(allocated))
+    names: dict[int, str] = {compute: "compute"}
+    for stream in [int(e.get("stream", 0)) for e in trace] + sorted(best[1]):
+        names.setdefault(stream, f"side {len(names)}")
+    rows = [
+        {
+            "stream": names[stream],
+            "reserved_gb": round(res / 1e9, 4),
+            "allocated_gb": round(best[2].get(stream, 0) / 1e9, 4),
+            "free_gb": round((res - best[2].get(stream, 0)) / 1e9, 4),
+        }
+        for stream, res in best[1].items()
+        if res
+    ]
+    return {"reserved_peak_gb": round(best[0][0] / 1e9, 4), "by_stream": sorted(rows, key=lambda r: -r["free_gb"])}
+
+
 def record_step(step: Callable[[Callable[[], None]], None], max_entries: int = 2_000_000) -> dict[str, Any]:
     """Run ``step(mark)`` once (CUDA) under the allocator's history and return :func:`peak_breakdown` of it.
 
@@ -161,6 +223,8 @@ def record_step(step: Callable[[Callable[[], None]], None], max_entries: int = 2
         torch.cuda.memory._record_memory_history(None)
     trace = snapshot["device_traces"][device]
     result = peak_breakdown(trace, baseline)
+    segments = [seg for seg in snapshot.get("segments", ()) if seg.get("device", device) == device]
+    result.update(reserved_by_stream(trace, segments, torch.cuda.current_stream().cuda_stream))
     result["max_allocated_gb"] = round(max(seen[0], torch.cuda.max_memory_allocated()) / 1e9, 4)
     result["truncated"] = len(trace) >= max_entries  # the history kept only the last max_entries events
     return result

@@ -201,6 +201,17 @@ def memtrace_table(rows: list[dict[str, Any]]) -> str:
             first = head if i == 0 else [""] * len(head)
             where = str(group["where"]).replace("|", "/")
             lines.append("| " + " | ".join([*first, f"`{where}`", _fmt(group["gb"]), str(group["count"])]) + " |")
+    streams = [row for row in rows if row.get("memtrace_by_stream")]
+    if streams:  # Note: [reserved by stream] (tools/bench/memtrace.py)
+        lines += ["", "| scale | seq | method | reserved peak GB | stream | reserved GB | allocated GB | free GB |"]
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for row in streams:
+            head = [str(row.get("scale")), str(row.get("seq_len")), str(row.get("method"))]
+            head.append(_fmt(row.get("memtrace_reserved_peak_gb")))
+            for i, s in enumerate(row["memtrace_by_stream"]):
+                cells = [*(head if i == 0 else [""] * len(head)), s["stream"]]
+                cells += [_fmt(s["reserved_gb"]), _fmt(s["allocated_gb"]), _fmt(s["free_gb"])]
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
