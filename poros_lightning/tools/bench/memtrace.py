@@ -162,17 +162,20 @@ def reserved_by_stream(
         stream, size = int(event.get("stream", 0)), int(event.get("size", 0))
         reserved[stream] = reserved.get(stream, 0) - _GROW.get(str(event.get("action")), 0) * size
         allocated[stream] = allocated.get(stream, 0) - _USE.get(str(event.get("action")), 0) * size
-    key = (sum(reserved.values()), sum(allocated.values()))
-    best = (key, dict(reserved), dict(allocated))
+    total = [sum(reserved.values()), sum(allocated.values())]
+    best = (tuple(total), dict(reserved), dict(allocated))
+    names: dict[int, str] = {compute: "compute"}
     for event in trace:  # the peak of reserved; of its moments, the one with the most allocated
         stream, size, action = int(event.get("stream", 0)), int(event.get("size", 0)), str(event.get("action"))
-        reserved[stream] = reserved.get(stream, 0) + _GROW.get(action, 0) * size
-        allocated[stream] = allocated.get(stream, 0) + _USE.get(action, 0) * size
-        key = (sum(reserved.values()), sum(allocated.values()))
-        if key > best[0]:
-            best = (key, dict(reserved), dict(allocated))
-    names: dict[int, str] = {compute: "compute"}
-    for stream in [int(e.get("stream", 0)) for e in trace] + sorted(best[1]):
+        names.setdefault(stream, f"side {len(names)}")
+        grow, use = _GROW.get(action, 0) * size, _USE.get(action, 0) * size
+        reserved[stream] = reserved.get(stream, 0) + grow
+        allocated[stream] = allocated.get(stream, 0) + use
+        total[0] += grow
+        total[1] += use
+        if tuple(total) > best[0]:
+            best = (tuple(total), dict(reserved), dict(allocated))
+    for stream in sorted(best[1]):
         names.setdefault(stream, f"side {len(names)}")
     rows = [
         {
