@@ -214,6 +214,12 @@ def _head_grads(on_host: bool, steps: int = 3) -> tuple[list[list[torch.Tensor]]
     model.get_output_embeddings().register_forward_pre_hook(lambda *_: torch.cuda._sleep(50_000_000))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
+    stream = engine_of(model).host_head.copy_stream.cuda_stream if on_host else None
+
+    def pool() -> int:  # what the copy stream's pool reserves (streams are pooled: measured against the start)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == stream)
+
+    before = pool()
     gen = torch.Generator().manual_seed(5)
     grads = []
     for _ in range(steps):
@@ -226,10 +232,7 @@ def _head_grads(on_host: bool, steps: int = 3) -> tuple[list[list[torch.Tensor]]
     torch.cuda.synchronize()
     if not on_host:
         return grads, 0, 0
-    head = engine_of(model).host_head
-    stream = head.copy_stream.cuda_stream
-    pool = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == stream)
-    return grads, pool, head.nbytes
+    return grads, pool() - before, engine_of(model).host_head.nbytes
 
 
 def test_the_heads_two_copies_share_one_block_while_the_host_runs_ahead() -> None:
