@@ -195,6 +195,58 @@ def test_reload_is_ordered_before_a_frozen_linear_under_slow_copies(
     assert all(torch.equal(a, b) for ra, ga in zip(ref, got, strict=True) for a, b in zip(ra, ga, strict=True))
 
 
+def _head_grads(on_host: bool, steps: int = 3) -> tuple[list[list[torch.Tensor]], int, int]:
+    """LoRA grads of a small untied Qwen2 whose GPU is held back before each head forward (the host runs ahead), and,
+    with the head in host memory, what the head's copy stream reserves (bytes) and one head's bytes."""
+    from poros_lightning import prepare
+    from poros_lightning.api import engine_of
+    from poros_lightning.tools.parity.build import build_peft_model
+
+    cfg = dict(
+        model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=32768, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    gc.collect()
+    torch.cuda.empty_cache()  # streams are pooled: no cached block of an earlier test counts below
+    model = build_peft_model(cfg, device="cuda", lora_r=8)
+    if on_host:
+        model = prepare(model, device="cuda", head_on_host=True)
+    model.get_output_embeddings().register_forward_pre_hook(lambda *_: torch.cuda._sleep(50_000_000))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    stream = engine_of(model).host_head.copy_stream.cuda_stream if on_host else None
+
+    def pool() -> int:  # what the copy stream's pool reserves (streams are pooled: measured against the start)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == stream)
+
+    before = pool()
+    gen = torch.Generator().manual_seed(5)
+    grads = []
+    for _ in range(steps):
+        ids = torch.randint(0, 32768, (1, 128), generator=gen).cuda()
+        logits = model(input_ids=ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+        grads.append([p.grad.detach().clone() for p in params])
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    if not on_host:
+        return grads, 0, 0
+    return grads, pool() - before, engine_of(model).host_head.nbytes
+
+
+def test_the_heads_two_copies_share_one_block_while_the_host_runs_ahead() -> None:
+    """The LM head in host memory, the GPU held back ~25 ms before each head forward: the backward's copy reuses the
+    forward's freed block, so the copy stream's pool holds one head, not two (Note: [the head's own memory]), and the
+    gradients equal a resident head's."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    ref, _, _ = _head_grads(False)
+    got, pool, head_bytes = _head_grads(True)
+    assert all(torch.equal(a, b) for ra, ga in zip(ref, got, strict=True) for a, b in zip(ra, ga, strict=True))
+    assert head_bytes <= pool < 2 * head_bytes, (pool, head_bytes)
+
+
 def test_slow_copies_negative_control(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the output-gradient reload, the same slowed copies make the q/v-only gradients wrong.
 

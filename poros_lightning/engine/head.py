@@ -51,9 +51,15 @@ Note: [the head's own memory]
     itself: at the smallest plans the allocator held 1.0 GB free yet could not place a 1.02 GB head
     (docs/benchmarks/recipes.jsonl, the ``oom_*`` fields). The caching allocator gives a freed block back
     only to the stream that allocated it, so the copy is allocated on the copy stream, where nothing else is
-    allocated per step: each copy finds the previous one's memory whole. ``record_stream`` on the compute
-    stream keeps that memory from the next copy until the compute that read it is done; under memory
-    pressure the allocator returns the cached block to the card as it does any other.
+    allocated per step: each copy finds the previous one's memory whole, if that memory is free by then. Marked
+    with ``record_stream`` on the compute stream, the forward's copy was not: the host runs ahead of the GPU, and
+    the backward's copy was allocated before the GPU had finished the forward's head, so the pool grew to a second
+    head, which the compute stream cannot use (docs/planner.md, the head's rows). So a copy this class frees
+    itself (the forward's, and any copy once cast under autocast) is freed behind a wait of the copy stream on the
+    compute stream (:meth:`HostHead._done`), issued after the copy's last use: the next copy that reuses its
+    block writes it only after that use, and a synchronization of the copy stream (the allocator's, before it
+    unmaps a cached block under memory pressure) waits for that use too. A copy freed by others (the backward's,
+    released by autograd; one kept for the backward) keeps ``record_stream`` (:meth:`HostHead._lend`).
 """
 
 from __future__ import annotations
@@ -200,7 +206,6 @@ class HostHead:
             compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.copy_stream):  # Note: [the head's own memory]
                 dev = torch.empty_like(self.host, device=self.device)
-            dev.record_stream(compute)  # freed after its last use, it is not reused before the compute is done
             self._pending, self._issued = (dev, torch.cuda.Event()), 0
             self.loads += 1
             self.copy_stream.wait_stream(compute)  # the copy starts in the compute stream's order
@@ -231,9 +236,28 @@ class HostHead:
         self._pending = None
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
+        if dtype is None:
+            return dev
         # Under autocast a linear layer casts its weight; casting here instead gives the same bytes, and
         # the tensor the layer saves is then a view of this one (Note: [the saved weight]).
-        return dev.to(dtype) if dtype is not None else dev
+        cast = dev.to(dtype)
+        self._done()  # the copy is freed on return, once the cast has read it
+        return cast
+
+    def _done(self) -> None:
+        """The compute stream's uses of the copies issued so far are over: later copy-stream work follows them.
+
+        Called before a copy is freed by this class (Note: [the head's own memory]).
+        """
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _lend(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` is freed by others (the backward's autograd): not reused before the compute stream's uses of it
+        are done (Note: [the head's own memory]); a no-op for memory of the compute stream's own pool."""
+        if self.copy_stream is not None:
+            weight.record_stream(torch.cuda.current_stream(self.device))
+        return weight
 
     def _pack(self, saved: torch.Tensor) -> Any:
         group = self._group
@@ -246,7 +270,7 @@ class HostHead:
         if not isinstance(packed, _HeadView):
             return packed
         group = packed.group
-        weight = group.weight if group.weight is not None else self._fetch(group.dtype)
+        weight = group.weight if group.weight is not None else self._lend(self._fetch(group.dtype))
         group.pending -= 1
         # Views of one forward (block-major micro-batches save one each) share one copy.
         group.weight = weight if group.pending > 0 else None
@@ -278,10 +302,11 @@ class HostHead:
         try:
             out = self._run(dev, group, args, kwargs)
             if self.copies == 1 and group.pending:
-                group.weight = dev  # Note: [one copy per step]
+                group.weight = self._lend(dev)  # Note: [one copy per step]
             return out
         finally:
             weight.data = self.host
+            self._done()
 
     @contextlib.contextmanager
     def hold(self, group: _Group | None = None) -> Iterator[_Group]:
@@ -306,7 +331,7 @@ class HostHead:
             group = _Group(_autocast_dtype(self.host, self.device))
             dev = self._fetch(group.dtype)
         else:
-            dev = group.weight if group.weight is not None else self._fetch(group.dtype)
+            dev = group.weight if group.weight is not None else self._lend(self._fetch(group.dtype))
             group.weight = dev  # the recompute's views unpack to it (the reservation keeps pending > 0)
         weight.data = dev
         self._held = (dev, group)
@@ -320,7 +345,9 @@ class HostHead:
                 if group.pending == 0:
                     group.weight = None
             elif self.copies == 1 and group.pending:
-                group.weight = dev  # Note: [one copy per step]
+                group.weight = self._lend(dev)  # Note: [one copy per step]
+            else:
+                self._done()
 
     def reserve(self, group: _Group) -> _Group:
         """Count one more backward user of ``group``'s copy (released by ``hold(group)``); returns ``group``."""
