@@ -80,6 +80,9 @@ def test_bench_run_writes_one_row_per_method(tmp_path: Path) -> None:
     )
     assert all(r["s_per_step"] > 0 and not r["oom"] for r in rows.values())
     assert all(0 < r["host_issue_s_per_step"] <= r["s_per_step"] for r in rows.values())
+    for r in rows.values():  # each timed step's time, whose mean is s_per_step; no GPU, no clocks
+        assert len(r["step_s"]) == r["steps"] and r["step_s"][0] > 0 and r["gpu_clocks"] is None
+        assert abs(sum(r["step_s"]) / len(r["step_s"]) - r["s_per_step"]) < 1e-3
     for r in rows.values():  # the host's clock splits the issuing into the step's three phases
         phases = [r[f"host_{name}_s_per_step"] for name in ("forward", "backward", "update")]
         assert all(p > 0 for p in phases) and sum(phases) <= r["host_issue_s_per_step"] + 1e-9
@@ -720,7 +723,7 @@ def test_oom_fields_lay_out_the_allocator_per_segment(monkeypatch: pytest.Monkey
     allocated and its free pieces (the bench reads them at the failed allocation through an OOM observer)."""
     import torch
 
-    from poros_lightning.tools.bench import harness
+    from poros_lightning.tools.bench.oom import free_blocks
 
     mb = 2**20
     snapshot = [
@@ -746,7 +749,7 @@ def test_oom_fields_lay_out_the_allocator_per_segment(monkeypatch: pytest.Monkey
         },
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
-    fields = harness._free_blocks()
+    fields = free_blocks()
     assert fields["oom_segments"] == 2 and fields["oom_expandable"]
     assert fields["oom_largest_free_mb"] == 300 and fields["oom_pending_free_mb"] == 40
     assert fields["oom_segment_table"][0] == {

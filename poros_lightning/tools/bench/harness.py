@@ -18,6 +18,7 @@ import torch
 
 from poros_lightning.engine.link import measure_h2d
 from poros_lightning.quant.hf_config import hf_config
+from poros_lightning.tools.bench.oom import AT_FAILURE, free_blocks, oom_line, watch_oom
 from poros_lightning.tools.bench.steps import host_speed, install_micro_batches, step_loop
 from poros_lightning.tools.parity.build import build_peft_model
 
@@ -30,62 +31,6 @@ def _host_rss() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 1e9
-
-
-def _oom_line(err: BaseException) -> str:
-    """The allocator's message in one line: what it tried to allocate, and what was allocated and reserved."""
-    return " ".join(str(err).split())[:600]
-
-
-def _free_blocks() -> dict[str, Any]:
-    """How the caching allocator's reserved memory was laid out when a run ran out: fragmentation, in numbers.
-
-    Per segment (``oom_segment_table``): its stream, whether it is expandable, its mapped size, what is allocated
-    in it, its free pieces and the largest one (MB), so a reserved-but-unusable figure says where it sits."""
-    segments = torch.cuda.memory_snapshot()
-    blocks = [b for seg in segments for b in seg["blocks"]]
-    table = []
-    for seg in segments:
-        free = [b["size"] for b in seg["blocks"] if b["state"] == "inactive"]
-        table.append(
-            {
-                "stream": seg.get("stream"),
-                "expandable": seg.get("is_expandable", False),
-                "pool": seg.get("segment_type"),
-                "mb": round(seg["total_size"] / 2**20, 1),
-                "allocated_mb": round(seg["allocated_size"] / 2**20, 1),
-                "free_pieces": len(free),
-                "largest_free_mb": round(max(free, default=0) / 2**20, 1),
-            }
-        )
-    return {
-        "oom_segments": len(segments),
-        "oom_expandable": any(seg.get("is_expandable", False) for seg in segments),
-        "oom_largest_free_mb": max((b["size"] for b in blocks if b["state"] == "inactive"), default=0) / 2**20,
-        "oom_pending_free_mb": sum(b["size"] for b in blocks if b["state"] == "active_pending_free") / 2**20,
-        "oom_segment_table": table,
-    }
-
-
-_AT_FAILURE: dict[str, Any] = {}
-"""The allocator's layout at the failed allocation itself (:func:`_watch_oom`), before the step unwound."""
-
-
-def _watch_oom() -> None:
-    """Record :func:`_free_blocks` the moment an allocation fails: the handler of the run sees memory only after
-    the failed step's tensors are freed, which hides the fragmentation that made it fail."""
-    if getattr(_watch_oom, "attached", False) or not hasattr(torch._C, "_cuda_attach_out_of_memory_observer"):
-        return
-
-    def observe(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        _AT_FAILURE.clear()
-        try:  # an error here would replace the out-of-memory error the run's handler records
-            _AT_FAILURE.update(_free_blocks(), oom_reserved_gb=torch.cuda.memory_reserved() / 1e9)
-        except Exception:  # noqa: BLE001
-            _AT_FAILURE.clear()
-
-    torch._C._cuda_attach_out_of_memory_observer(observe)
-    _watch_oom.attached = True  # type: ignore[attr-defined]
 
 
 def _checkpointing(model: Any, *, enable: bool) -> None:
@@ -160,7 +105,7 @@ def bench_methods(
 
         use_expandable_segments(torch.device("cuda"), logging.getLogger(__name__))
     if device == "cuda":
-        _watch_oom()
+        watch_oom()
     model = build_peft_model(config, device=device, lora_r=lora_r, quantization=quantization, blockwise=blockwise)
     if compile_layers:
         from poros_lightning.training.compiling import compile_layers as compile_each_layer
@@ -181,7 +126,7 @@ def bench_methods(
     rows = []
     for run in runs:
         method = run["method"]
-        _AT_FAILURE.clear()
+        AT_FAILURE.clear()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
         with torch.no_grad():
@@ -366,6 +311,7 @@ def bench_methods(
                 oom=False,
                 s_per_step=s_per_step,
                 s_per_step_min=min(times),
+                step_s=[round(t, 4) for t in times],
                 host_issue_s_per_step=sum(issued) / len(issued),
                 **{f"{name}_s_per_step": sum(v) / len(v) for name, v in split.items()},
                 **{f"host_{name}_s_per_step": sum(v) / len(v) for name, v in host_split.items()},
@@ -375,6 +321,7 @@ def bench_methods(
                 peak_update_gb=peaks["update"] / 1e9 if device == "cuda" else None,
                 peak_reserved_gb=peaks["reserved"] / 1e9 if device == "cuda" else None,
                 host_rss_gb=_host_rss(),
+                gpu_clocks=counts.get("gpu_clocks"),  # CUDA: tools/bench/gpu_clocks.py
                 **{f"profile_{k}": v for k, v in (profiled or {}).items()},
                 **{f"memtrace_{k}": v for k, v in (traced or {}).items()},
             )
@@ -402,7 +349,7 @@ def bench_methods(
                     copy_busy_fraction=timed["seconds"] / sum(times) if engine.ring.use_streams else None,
                 )
         except torch.OutOfMemoryError as err:  # the row keeps what ran out, and where: the estimate's error
-            row.update(oom=True, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None, oom_error=_oom_line(err))
+            row.update(oom=True, s_per_step=None, peak_vram_gb=None, peak_reserved_gb=None, oom_error=oom_line(err))
             if tuner is not None:  # the plans measured before it, and the plan that ran out
                 row.update(tuned=PlanTuner.summary(tuner.history), keep_activations=tuner.keep)
                 row.update(resident_blocks=tuner.resident)
@@ -413,7 +360,7 @@ def bench_methods(
                     oom_reserved_gb=torch.cuda.memory_reserved() / 1e9,
                     oom_at=traceback.format_exc(limit=-4).splitlines()[-6:-1],
                 )
-                row.update(_AT_FAILURE or _free_blocks())  # at the failure where it was seen, else now
+                row.update(AT_FAILURE or free_blocks())  # at the failure where it was seen, else now
         finally:
             if device == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)

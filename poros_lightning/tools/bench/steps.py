@@ -19,6 +19,7 @@ import torch
 
 from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
 from poros_lightning.engine.optim_state import HostOptimizerState
+from poros_lightning.tools.bench.gpu_clocks import ClockSampler
 from poros_lightning.tools.parity.runner import token_loss
 
 __all__ = ["chunked_token_loss", "gc_timer", "host_speed", "install_micro_batches", "step_loop"]
@@ -158,8 +159,9 @@ def step_loop(
     host time equals its GPU time held the host back, e.g. by filling the queue of kernel launches). ``counts``
     receives ``gc_collections`` and ``gc_seconds`` (:func:`gc_timer`, the timed steps), ``optimizer_prefetches``
     (the steps whose backward started the optimizer state's copy in),
-    ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies) and ``head_loads`` (the
-    host ``head``'s copies), as they stood after the timed steps.
+    ``ring_loads`` and ``copy_stats`` (the ``ring``'s count and timing of copies), ``head_loads`` (the
+    host ``head``'s copies), as they stood after the timed steps, and (CUDA) ``gpu_clocks``, the GPU's clocks
+    while the timed steps ran (:class:`~poros_lightning.tools.bench.gpu_clocks.ClockSampler`).
     ``profile`` (CUDA) receives the summary of one more step run under the CUDA profiler, after the
     timed ones (:func:`~poros_lightning.tools.bench.timeline.profile_step`): where that step's GPU time went.
     ``memtrace`` (CUDA) likewise receives what was allocated at the peak of one more step, and where
@@ -242,6 +244,7 @@ def step_loop(
         phase_end("update")
 
     times = []
+    clocks = ClockSampler.of_device(torch.cuda.current_device()) if cuda else None
     try:
         with gc_timer(counts) as timing:
             for i, ids in enumerate(batches):
@@ -255,6 +258,8 @@ def step_loop(
                 wait()
                 if ring is not None and i == warmup:
                     ring.time_copies()
+                if clocks is not None and i == warmup:
+                    clocks.start()
                 marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
                 stamps: list[float] = []
                 t = time.perf_counter()
@@ -278,6 +283,8 @@ def step_loop(
             t = time.perf_counter()
             torch.cuda.synchronize()
             times[-1] += time.perf_counter() - t
+        if clocks is not None and counts is not None:
+            counts["gpu_clocks"] = clocks.stop()  # the timed steps' (Note: [clocks] in gpu_clocks.py)
         # What the timed steps copied, before a profiled step adds to it.
         if ring is not None and counts is not None:
             counts["ring_loads"] = ring.loads
@@ -298,6 +305,8 @@ def step_loop(
                     sink.update(run_once(lambda mark: step(ids, mark)))
             phases.update(kept)
     finally:
+        if clocks is not None:
+            clocks.close()
         if host is not None:  # a step that raised (out of memory) leaves no trigger hook for the model's next run
             host.close()
     opt.state.clear()
