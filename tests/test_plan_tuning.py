@@ -173,8 +173,37 @@ def test_tuner_goes_back_from_a_growth_slower_than_noise() -> None:
     more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])  # 20% slower
     assert [s.keep_activations for s in tuner.history] == [4, 10, 16]
     assert tuner.keep == 16 and not tuner.done and "runs once more" in tuner.history[-1].action  # one step's noise?
-    more([(1.25, 8 * GB, 9 * GB, 0)])  # slower again: judged by the faster of its two steps, 1.2 s
+    more([(1.25, 8 * GB, 9 * GB, 0)])  # slower again, by the faster of its two steps, 1.2 s: the 10-layer plan again
     assert [s.keep_activations for s in tuner.history] == [4, 10, 16, 16]
+    assert (
+        tuner.keep == 10
+        and not tuner.done
+        and "slower than 1.000 s twice: that plan runs again" in (tuner.history[-1].action)
+    )
+    more([(1.0, 2 * GB, 3 * GB, 0)])  # as fast as before: the machine did not slow down, the 16-layer plan did
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16, 16, 10]
+    assert tuner.keep == 10 and tuner.done
+    assert tuner.history[-1].action == "1.225 s against 1.000 s, the mean of each plan's two steps: this plan stays"
+
+
+def test_a_slower_machine_does_not_send_a_plan_back() -> None:
+    # The machine slows over the four steps: the 16-layer plan times 1.2 and 1.25 s after the 10-layer plan's 1.0 s,
+    # and the 10-layer plan, run again, 1.4 s. By the means (1.225 against 1.2 s) the plans tie: the later stays.
+    tuner = _tuner(keep=4)
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
+    more([(1.25, 8 * GB, 9 * GB, 0), (1.4, 2 * GB, 3 * GB, 0)])
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16, 16, 10]
+    assert tuner.keep == 16 and tuner.done
+    assert (
+        tuner.history[-1].action == "1.225 s against 1.200 s, the mean of each plan's two steps: the later plan stays"
+    )
+
+
+def test_the_fastest_plan_runs_again_only_while_steps_are_left() -> None:
+    tuner = _tuner(keep=4, steps=4)
+    _drive(
+        tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0), (1.25, 8 * GB, 9 * GB, 0)]
+    )
     assert tuner.keep == 10 and tuner.done and "slower than 1.000 s: back to that plan" in tuner.history[-1].action
 
 
@@ -336,18 +365,32 @@ def test_hidden_copies_turn_resident_blocks_into_kept_activations() -> None:
     # are 1.5 GB: three layers' activations at half a GB. The budget is full, so only the trade moves the plan.
     tuner, calls = _timed_tuner(4.7, 5.4, keep=2, resident=6)
     full = (9 * GB, int(9.9 * GB), 0)
-    _drive(tuner, [(5.0, *full), (1.0, *full), (1.2, *full), (1.1, *full)])  # the traded plan runs slower, twice
+    # The traded plan runs slower, twice; the measured plan, run again, as fast as before.
+    _drive(tuner, [(5.0, *full), (1.0, *full), (1.2, *full), (1.1, *full), (1.0, *full)])
     # 1.5 GB is three layers' activations by the estimate: half as many (one) while the estimate is not measured.
-    assert [(s.keep_activations, s.resident_blocks) for s in tuner.history] == [(2, 6), (2, 6), (3, 4), (3, 4)]
-    assert "runs once more" in tuner.history[2].action
+    assert [(s.keep_activations, s.resident_blocks) for s in tuner.history] == [(2, 6), (2, 6), (3, 4), (3, 4), (2, 6)]
+    assert "runs once more" in tuner.history[2].action and "that plan runs again" in tuner.history[3].action
     assert "per byte, kept layers save more" in tuner.history[1].action and ("resident", 4) in calls
     assert tuner.history[1].copy_s == pytest.approx(4.7e-3)
-    # Back to the measured plan, resident blocks included, and the timing stops.
-    assert (tuner.keep, tuner.resident, tuner.done) == (2, 6, True) and calls[-2:] == [
+    # Back to the measured plan, resident blocks included; it stays after its second step, and the timing stops.
+    assert (tuner.keep, tuner.resident, tuner.done) == (2, 6, True) and calls[-3:] == [
         ("resident", 6),
+        ("timer", True),
         ("timer", False),
     ]
-    assert calls.count(("timer", True)) == 4
+    assert "this plan stays" in tuner.history[-1].action and calls.count(("timer", True)) == 5
+
+
+def test_a_trade_that_timed_slower_on_a_slowing_machine_stays() -> None:
+    # Qwen2.5-72B, seq 512, 16 GB (H100, planner_sweep.jsonl, run 2026-12-07T19:01:54): the plan before the trade
+    # ran 1.594 s, the traded plan 1.795 and 1.659 s, and the plan before the trade, sent back to, 1.901 s on
+    # average in its timed steps. Run again at 1.90 s, it is the slower of the two by the means: the trade stays.
+    tuner, calls = _timed_tuner(4.7, 5.4, keep=2, resident=6)
+    full = (9 * GB, int(9.9 * GB), 0)
+    _drive(tuner, [(5.0, *full), (1.594, *full), (1.795, *full), (1.659, *full), (1.90, *full)])
+    assert [(s.keep_activations, s.resident_blocks) for s in tuner.history][-3:] == [(3, 4), (3, 4), (2, 6)]
+    assert (tuner.keep, tuner.resident, tuner.done) == (3, 4, True) and ("resident", 4) in calls[-3:]
+    assert "1.727 s against 1.747 s" in tuner.history[-1].action and "the later plan stays" in tuner.history[-1].action
 
 
 def test_copies_that_bound_the_step_turn_kept_activations_into_resident_blocks() -> None:

@@ -34,7 +34,11 @@ Note: [measured plans]
       one that times slower in its first step runs once more before it is judged: on a host-bound step one step
       can run 18% slower than the same plan's next (Qwen2.5-7B, seq 2048, H100: 10 kept layers at 0.374 s in one
       round and 0.466 s in the next, where that one step sent the plan back; planner_sweep.jsonl, run
-      2026-12-07T17:10:18).
+      2026-12-07T17:10:18). A plan slower in both its steps is not sent back at once: the fastest plan runs once
+      more, and the two are compared by the mean of their two steps each (A B B A, which cancels a machine that
+      slowed down or sped up over those four steps); the later plan stays unless that mean is more than the margin
+      slower. At Qwen2.5-72B, seq 512 (H100), a plan measured once at 1.594 s sent back a plan that ran 1.795 and
+      1.659 s, then ran its own timed steps at 1.901 s on average (planner_sweep.jsonl, run 2026-12-07T19:01:54).
     It stops after ``steps`` measured steps (the last one only verifies: nothing grows that no step measured)
     or once nothing changes; the plan then stays. Everything else a plan chooses (slots, host-side options) is
     sized from exact byte counts at setup.
@@ -128,6 +132,7 @@ class PlanTuner:
     _started: float | None = None
     _retries: int = 0
     _ceiling: int | None = None
+    _rematch: tuple[list[TunerStep], TunerStep, float] | None = None  # the slower plan's steps, the fastest, margin
 
     def _stats(self) -> tuple[int, int, int]:
         if self.stats is not None:
@@ -276,6 +281,9 @@ class PlanTuner:
 
     def _decide(self) -> None:
         last = self.history[-1]
+        if self._rematch is not None:  # the fastest plan ran again
+            self._settle(last, *self._rematch)
+            return
         per_layer = self.measured_layer_bytes()
         if last.peak_reserved > self.budget or last.retries:
             excess = max(last.peak_reserved - self.budget, 0)
@@ -307,6 +315,13 @@ class PlanTuner:
                 if len(runs) == 1 and len(self.history) < self.steps:  # Note: [measured plans]: once more
                     self._apply(self.keep, f"slower than {fastest.seconds:.3f} s: this plan runs once more")
                     return
+                if len(runs) == 2 and len(self.history) < self.steps:  # Note: [measured plans]: A B B A
+                    self._rematch = (runs, fastest, margin)
+                    self._apply(
+                        fastest.keep_activations, f"slower than {fastest.seconds:.3f} s twice: that plan runs again, "
+                        "to tell a slower plan from a slower machine", fastest.resident_blocks,
+                    )  # fmt: skip
+                    return
                 self._apply(
                     fastest.keep_activations, f"slower than {fastest.seconds:.3f} s: back to that plan",
                     fastest.resident_blocks,
@@ -330,6 +345,20 @@ class PlanTuner:
         elif len(self.history) > 1:
             self._apply(self.keep, "the plan stays")
             self.done = True
+
+    def _settle(self, again: TunerStep, runs: list[TunerStep], fastest: TunerStep, margin: float) -> None:
+        """After the fastest plan ran ``again``: the mean of its two steps against the slower plan's (Note:
+        [measured plans]); the slower plan comes back unless its mean is more than ``margin`` times slower."""
+        self._rematch = None
+        first = sum(s.seconds for s in (fastest, again)) / 2
+        later = sum(s.seconds for s in runs) / len(runs)
+        means = f"{later:.3f} s against {first:.3f} s, the mean of each plan's two steps"
+        if again.retries or again.peak_reserved > self.budget or later <= margin * first:
+            plan = runs[0]
+            self._apply(plan.keep_activations, f"{means}: the later plan stays", plan.resident_blocks)
+        else:
+            self._apply(self.keep, f"{means}: this plan stays")
+        self.done = True
 
     @staticmethod
     def summary(history: Sequence[TunerStep]) -> list[dict[str, float | int | str]]:
