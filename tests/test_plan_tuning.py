@@ -199,6 +199,54 @@ def test_a_slower_machine_does_not_send_a_plan_back() -> None:
     )
 
 
+def test_a_rerun_over_the_budget_shrinks_as_any_step_over_it() -> None:
+    tuner = _tuner(keep=4)
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (2.0, 8 * GB, 9 * GB, 0)])
+    more([(2.0, 8 * GB, 9 * GB, 0), (1.0, 2 * GB, 3 * GB, 3)])  # the 10-layer plan, run again, retried 3 allocations
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16, 16, 10]
+    assert "3 allocations retried at the budget" in tuner.history[-1].action and tuner.keep < 10
+    assert tuner._rematch is None
+
+
+def test_a_plan_is_not_rematched_against_itself() -> None:
+    # 10 layers at 1.0 s, then 16 over the budget by 5 GB (1 GB a layer, measured: back to 10), then 10 slower
+    # twice than its own first step: it stays as it is, without a third step of the same plan.
+    tuner = _tuner(keep=4)
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.0, 8 * GB, 15 * GB, 0)])
+    assert tuner.keep == 10 and not tuner.done
+    more([(1.3, 2 * GB, 3 * GB, 0), (1.3, 2 * GB, 3 * GB, 0)])
+    assert [s.keep_activations for s in tuner.history] == [4, 10, 16, 10, 10]
+    assert all("runs again" not in s.action for s in tuner.history) and tuner.done and tuner.keep == 10
+
+
+def test_a_plan_that_ran_over_the_budget_is_not_rematched() -> None:
+    # Resident blocks fixed (the tuner cannot move them): 14 kept layers 13 GB over the budget drop to none, whose
+    # first step still runs over (nothing left to drop) and whose second is slower than the 8-layer plan. A rerun
+    # could bring the over-budget plan back: the 8-layer plan returns at once.
+    tuner = _tuner(keep=2, resident=2)
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.0, 8 * GB, 23 * GB, 0)])
+    assert (tuner.keep, tuner.resident) == (0, 2)
+    more([(1.2, 2 * GB, 11 * GB, 0), (1.2, 2 * GB, 9 * GB, 0)])
+    assert [s.keep_activations for s in tuner.history] == [2, 8, 14, 0, 0]
+    assert all("runs again" not in s.action for s in tuner.history)
+    assert tuner.done and tuner.keep == 8 and "back to that plan" in tuner.history[-1].action
+
+
+def test_the_rematch_fits_the_last_step_and_finish_settles_it() -> None:
+    tuner = _tuner(keep=4, steps=5)  # one step left after the slower plan's two: the rerun is the last
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
+    more([(1.25, 8 * GB, 9 * GB, 0)])
+    assert tuner.keep == 10 and not tuner.done and "that plan runs again" in tuner.history[-1].action
+    more([(1.4, 2 * GB, 3 * GB, 0)])
+    assert tuner.keep == 16 and tuner.done and "the later plan stays" in tuner.history[-1].action
+    tuner = _tuner(keep=4)  # the bench and the strategy end the tuning with finish(): it settles a pending rerun
+    more = _drive(tuner, [(5.0, 2 * GB, 3 * GB, 0), (1.0, 2 * GB, 3 * GB, 0), (1.2, 8 * GB, 9 * GB, 0)])
+    more([(1.25, 8 * GB, 9 * GB, 0)])
+    tuner.clock = lambda: 9.45  # the rerun took 1.0 s (the clock read 8.45 s when it started)
+    tuner.finish()
+    assert tuner.done and tuner.keep == 10 and "this plan stays" in tuner.history[-1].action
+
+
 def test_the_fastest_plan_runs_again_only_while_steps_are_left() -> None:
     tuner = _tuner(keep=4, steps=4)
     _drive(

@@ -34,10 +34,12 @@ Note: [measured plans]
       one that times slower in its first step runs once more before it is judged: on a host-bound step one step
       can run 18% slower than the same plan's next (Qwen2.5-7B, seq 2048, H100: 10 kept layers at 0.374 s in one
       round and 0.466 s in the next, where that one step sent the plan back; planner_sweep.jsonl, run
-      2026-12-07T17:10:18). A plan slower in both its steps is not sent back at once: the fastest plan runs once
-      more, and the two are compared by the mean of their two steps each (A B B A, which cancels a machine that
-      slowed down or sped up over those four steps); the later plan stays unless that mean is more than the margin
-      slower. At Qwen2.5-72B, seq 512 (H100), a plan measured once at 1.594 s sent back a plan that ran 1.795 and
+      2026-12-07T17:10:18). A plan slower in both its steps (each within the budget) is not sent back at once: the
+      fastest plan runs once more, and the slower plan's two steps are compared with the fastest plan's best step
+      and that rerun, by their means. Where the best step came just before the slower plan's, the four steps run
+      A B B A, and a machine that slowed down or sped up steadily over them moves both means alike. The later plan
+      stays unless its mean is more than the margin slower; a rerun over the budget, or retried, shrinks as any
+      step that did. At Qwen2.5-72B, seq 512 (H100), a plan measured once at 1.594 s sent back a plan that ran 1.795 and
       1.659 s, then ran its own timed steps at 1.901 s on average (planner_sweep.jsonl, run 2026-12-07T19:01:54).
     It stops after ``steps`` measured steps (the last one only verifies: nothing grows that no step measured)
     or once nothing changes; the plan then stays. Everything else a plan chooses (slots, host-side options) is
@@ -282,8 +284,10 @@ class PlanTuner:
     def _decide(self) -> None:
         last = self.history[-1]
         if self._rematch is not None:  # the fastest plan ran again
-            self._settle(last, *self._rematch)
-            return
+            rematch, self._rematch = self._rematch, None
+            if not last.retries and last.peak_reserved <= self.budget:
+                self._settle(last, *rematch)
+                return  # else: shrink it, as any step over the budget
         per_layer = self.measured_layer_bytes()
         if last.peak_reserved > self.budget or last.retries:
             excess = max(last.peak_reserved - self.budget, 0)
@@ -315,7 +319,12 @@ class PlanTuner:
                 if len(runs) == 1 and len(self.history) < self.steps:  # Note: [measured plans]: once more
                     self._apply(self.keep, f"slower than {fastest.seconds:.3f} s: this plan runs once more")
                     return
-                if len(runs) == 2 and len(self.history) < self.steps:  # Note: [measured plans]: A B B A
+                clean = all(not s.retries and s.peak_reserved <= self.budget for s in runs)
+                other = (fastest.keep_activations, fastest.resident_blocks) != (
+                    last.keep_activations,
+                    last.resident_blocks,
+                )
+                if len(runs) == 2 and clean and other and len(self.history) < self.steps:  # Note: [measured plans]
                     self._rematch = (runs, fastest, margin)
                     self._apply(
                         fastest.keep_activations, f"slower than {fastest.seconds:.3f} s twice: that plan runs again, "
@@ -347,13 +356,13 @@ class PlanTuner:
             self.done = True
 
     def _settle(self, again: TunerStep, runs: list[TunerStep], fastest: TunerStep, margin: float) -> None:
-        """After the fastest plan ran ``again``: the mean of its two steps against the slower plan's (Note:
-        [measured plans]); the slower plan comes back unless its mean is more than ``margin`` times slower."""
-        self._rematch = None
+        """After the fastest plan ran ``again`` (within the budget): the mean of its best step and ``again`` against
+        the slower plan's two ``runs`` (Note: [measured plans]); the slower plan comes back unless its mean is more
+        than ``margin`` times the other's."""
         first = sum(s.seconds for s in (fastest, again)) / 2
         later = sum(s.seconds for s in runs) / len(runs)
         means = f"{later:.3f} s against {first:.3f} s, the mean of each plan's two steps"
-        if again.retries or again.peak_reserved > self.budget or later <= margin * first:
+        if later <= margin * first:
             plan = runs[0]
             self._apply(plan.keep_activations, f"{means}: the later plan stays", plan.resident_blocks)
         else:
