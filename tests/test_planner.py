@@ -540,3 +540,36 @@ def test_the_minimum_plans_measured_on_the_h200_are_not_under_predicted() -> Non
         plan = plan_engine(cfg, minimum_budget(cfg, **kw), **kw)
         assert plan.inputs_on_host and plan.head_on_host and plan.keep_activations == plan.resident_blocks == 0
         assert 1.0 <= plan.vram_estimate / (peak * 1e9) <= 1.25, scale
+
+
+@pytest.mark.parametrize("seq_len", [512, 2048, 4096])
+@pytest.mark.parametrize("hub_id", ["Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-72B"])
+def test_a_bigger_budget_never_plans_more_work(hub_id: str, seq_len: int) -> None:
+    """From the smallest budget the planner accepts to 80 GB in steps of 0.25 GB: a host-side option, once off,
+    stays off; the head's copies per step never grow (but where the layers' inputs come back to the device) and
+    its prefetch, once on, stays on; and between budgets
+    with the same options, the time the planner's own model says kept layers and resident blocks save
+    (a kept layer: one layer forward; a resident block: its two copies less what a forward hides,
+    ``resident_pays``'s terms) never shrinks. The plan trades one for the other only where that saves more."""
+    from poros_lightning.memory.planner import DEFAULT_LINK_GBPS, layer_forward_s, plan_engine
+
+    cfg = known_config(hub_id)
+    shape = plan_memory(cfg, seq_len=seq_len, block_size=1, prefetch=1)
+    copy_s, forward_s = shape.per_block_bytes / (DEFAULT_LINK_GBPS * 1e9), layer_forward_s(shape)
+    options = ("embeddings_on_host", "optimizer_on_host", "head_on_host", "inputs_on_host")
+    before = None
+    for budget in range(minimum_budget(cfg, seq_len=seq_len), int(80e9), int(0.25e9)):
+        plan = plan_engine(cfg, budget, seq_len=seq_len)
+        on = tuple(getattr(plan, name) for name in options)
+        saved = plan.keep_activations * forward_s + plan.resident_blocks * 2 * max(copy_s - forward_s, 0.0)
+        if before is not None:
+            was_on, was_saved, was = before
+            assert all(was or not now for was, now in zip(was_on, on, strict=True)), (budget, was_on, on)
+            # The one exception the planner documents: the layers' inputs come back to the device before the head
+            # keeps its forward's copy for its backward (their copies cost the step more than the head's one).
+            inputs_back = was.inputs_on_host and not plan.inputs_on_host
+            assert plan.head_copies <= was.head_copies or not plan.head_on_host or inputs_back, budget
+            assert plan.head_prefetch or not was.head_prefetch, budget
+            if on == was_on and plan.head_copies == was.head_copies:
+                assert saved >= was_saved - 1e-12, (budget, was, plan)
+        before = (on, saved, plan)
