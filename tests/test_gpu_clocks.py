@@ -67,3 +67,27 @@ def test_no_nvidia_smi_is_no_summary_and_no_error(tmp_path: Path) -> None:
     sampler = ClockSampler(UUID, command=str(tmp_path / "absent"))
     sampler.start()
     assert sampler.stop() is None
+
+
+def test_report_prints_each_rows_steps_beside_the_gpus_clocks(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from poros_lightning.tools.bench.cli import main
+
+    base = {"run_id": "2026-12-07T21:00:00-1", "scale": "72B", "seq_len": 512, "s_per_step": 1.5, "oom": False}
+    slowed = {"sm_mhz_min": 1410.0, "sm_mhz_mean": 1715.0, "sm_mhz_max": 1980.0, "power_w_max": 699.9,
+              "temp_c_max": 61.0, "samples": 40, "reasons": {"sw_power_cap": 0.667}}  # fmt: skip
+    rows = [
+        {**base, "method": "poros_16GB", "round": 1, "step_s": [1.4, 1.5, 1.6], "gpu_clocks": slowed},
+        {**base, "method": "poros_cpu", "step_s": [2.0], "gpu_clocks": None},
+        {**base, "method": "older"},  # a row from before step_s: not in the table
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(path), "--clocks", "-o", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out.split("| run | scale | seq | method | round |")[1]
+    assert (
+        "| 2026-12-07T21:00:00-1 | 72B | 512 | poros_16GB | 1 | 1.500 | 1.400 1.500 1.600 | 1410.0 / 1715.0 / 1980.0 "
+        "| 699.9 | 61.0 | sw_power_cap 0.67 |"
+    ) in out
+    assert "| poros_cpu | — | 1.500 | 2.000 | — | — | — | — |" in out and "| older |" not in out

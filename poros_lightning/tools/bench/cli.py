@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument(
         "--memtrace", action="store_true", help="also print what was allocated at the peak of rows run with --memtrace"
     )
+    rep.add_argument(
+        "--clocks", action="store_true", help="also print each row's timed steps and the GPU's clocks over them"
+    )
     rep.add_argument("--since", metavar="RUN_ID", help="keep rows whose run_id sorts at or after RUN_ID (a date)")
     rep.add_argument(
         "--estimates",
@@ -402,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print()
         print(memtrace_table(rows))
+    if args.clocks:
+        from poros_lightning.tools.bench.report import clocks_table
+
+        print()
+        print(clocks_table(rows))
     if args.estimates:
         from poros_lightning.tools.bench.estimates import estimates_table
 

@@ -16,6 +16,7 @@ __all__ = [
     "load_rows",
     "markdown_table",
     "memtrace_table",
+    "clocks_table",
     "peers_html",
     "kernel_table",
     "profile_table",
@@ -212,6 +213,27 @@ def memtrace_table(rows: list[dict[str, Any]]) -> str:
                 cells = [*(head if i == 0 else [""] * len(head)), s["stream"]]
                 cells += [_fmt(s["reserved_gb"]), _fmt(s["allocated_gb"]), _fmt(s["free_gb"])]
                 lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def clocks_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of each row's timed steps (``step_s``) beside the GPU's clocks over them (``gpu_clocks``,
+    tools/bench/gpu_clocks.py): whether a slow row ran on a card whose clocks were held down, and why."""
+    lines = [
+        "| run | scale | seq | method | round | s/step | steps (s) | SM MHz min / mean / max | power W max | temp C max"
+        " | clock reasons (share of samples) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row.get("step_s"):
+            continue
+        clocks = row.get("gpu_clocks") or {}
+        mhz = " / ".join(_fmt(clocks.get(k)) for k in ("sm_mhz_min", "sm_mhz_mean", "sm_mhz_max")) if clocks else "—"
+        reasons = ", ".join(f"{name} {share:.2f}" for name, share in (clocks.get("reasons") or {}).items())
+        cells = [str(row.get("run_id")), str(row.get("scale")), str(row.get("seq_len")), str(row.get("method"))]
+        cells += [_fmt(row.get("round")), _fmt(row.get("s_per_step")), " ".join(f"{t:.3f}" for t in row["step_s"])]
+        cells += [mhz, _fmt(clocks.get("power_w_max")), _fmt(clocks.get("temp_c_max")), reasons or "—"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
