@@ -126,12 +126,17 @@ def _qv_grads(keep: int | None, steps: int = 3, resident: int = 0) -> list[list[
     model = build_peft_model(cfg, device="cuda", lora_r=8, target_modules=["q_proj", "v_proj"])
     if keep is not None:
         model = prepare(model, device="cuda", keep_activations=keep, resident_blocks=resident)
+    return _lora_grads(model, vocab=512, seed=3, steps=steps)
+
+
+def _lora_grads(model: torch.nn.Module, vocab: int, seed: int, steps: int) -> list[list[torch.Tensor]]:
+    """Per-step LoRA grads of ``model`` over ``steps`` AdamW steps on random ids of 128 tokens (``seed``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     grads = []
     for _ in range(steps):
-        ids = torch.randint(0, 512, (1, 128), generator=gen).cuda()
+        ids = torch.randint(0, vocab, (1, 128), generator=gen).cuda()
         logits = model(input_ids=ids, use_cache=False).logits
         torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
         grads.append([p.grad.detach().clone() for p in params])
@@ -214,24 +219,13 @@ def _head_grads(on_host: bool, steps: int = 3) -> tuple[list[list[torch.Tensor]]
     if on_host:
         model = prepare(model, device="cuda", head_on_host=True)
     model.get_output_embeddings().register_forward_pre_hook(lambda *_: torch.cuda._sleep(50_000_000))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2)
     stream = engine_of(model).host_head.copy_stream.cuda_stream if on_host else None
 
     def pool() -> int:  # what the copy stream's pool reserves (streams are pooled: measured against the start)
         return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == stream)
 
     before = pool()
-    gen = torch.Generator().manual_seed(5)
-    grads = []
-    for _ in range(steps):
-        ids = torch.randint(0, 32768, (1, 128), generator=gen).cuda()
-        logits = model(input_ids=ids, use_cache=False).logits
-        torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
-        grads.append([p.grad.detach().clone() for p in params])
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.synchronize()
+    grads = _lora_grads(model, vocab=32768, seed=5, steps=steps)
     if not on_host:
         return grads, 0, 0
     return grads, pool() - before, engine_of(model).host_head.nbytes
