@@ -243,8 +243,9 @@ def _run_model(
             **row,
             **versions(),
         }
-        shown = ("scale", "seq_len", "method", "vram_budget", "s_per_step", "peak_vram_gb", "oom", "refused")
-        print({k: full.get(k) for k in shown})
+        shown = ("scale", "seq_len", "method", "vram_budget", "s_per_step", "step_s", "peak_vram_gb", "oom", "refused")
+        clocks = full.get("gpu_clocks") or {}
+        print({**{k: full.get(k) for k in shown}, "sm_mhz_mean": clocks.get("sm_mhz_mean")})
         rows.append(full)
         if out is not None:
             write_jsonl([full], out)  # as soon as the run ends: a later crash or kill loses nothing measured
