@@ -325,6 +325,8 @@ def test_profile_is_cuda_only(tmp_path: Path) -> None:
     (row,) = map(json.loads, (tmp_path / "bench.jsonl").read_text().splitlines())
     assert row["s_per_step"] > 0 and not any(k.startswith("profile_") for k in row)  # on CPU: none made up
     assert row["gc_s_per_step"] >= 0 and row["gc_full_per_step"] >= 0  # the collector, on any device
+    assert len(row["gc_step_s"]) == len(row["step_s"])  # and its seconds in each timed step
+    assert sum(row["gc_step_s"]) == pytest.approx(row["gc_s_per_step"] * len(row["step_s"]), abs=1e-3)
 
 
 def test_report_prints_the_profile_of_profiled_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -41,6 +41,8 @@ Note: [measured plans]
       stays unless its mean is more than the margin slower; a rerun over the budget, or retried, shrinks as any
       step that did. At Qwen2.5-72B, seq 512 (H100), a plan measured once at 1.594 s sent back a plan that ran 1.795 and
       1.659 s, then ran its own timed steps at 1.901 s on average (planner_sweep.jsonl, run 2026-12-07T19:01:54).
+    A step's time is its time less what Python's garbage collector took in it: a full collection falls in some
+    steps and not others, whatever the plan (Note: [the collector's time] in engine/gc_clock.py).
     It stops after ``steps`` measured steps (the last one only verifies: nothing grows that no step measured)
     or once nothing changes; the plan then stays. Everything else a plan chooses (slots, host-side options) is
     sized from exact byte counts at setup.
@@ -54,6 +56,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from poros_lightning.engine.gc_clock import CollectorClock
 
 __all__ = ["GROWN_NOISE", "PlanTuner", "TunerStep"]
 
@@ -79,6 +83,7 @@ class TunerStep:
     compute_s: float = 0.0
     recompute_s: float = 0.0
     grew: bool = False
+    collector_s: float = 0.0
 
 
 @dataclass
@@ -107,6 +112,9 @@ class PlanTuner:
         pays: ``pays(copy_s, forward_s, block_bytes, layer_bytes, layers_per_block, recompute_s)``: whether
             memory saves more time per byte as resident blocks than as kept activations
             (``memory.planner.resident_pays``, the planner's own rule); ``None``: the tuner does not trade.
+        collector: cumulative seconds of Python's garbage collector; each step is timed less what it grew by in the
+            step (Note: [the collector's time] in engine/gc_clock.py). ``None``: with the default ``clock``, the
+            tuner's own :class:`CollectorClock`, hooked while it measures; with a ``clock`` passed in, nothing.
     """
 
     set_keep: Callable[[int], None]
@@ -127,6 +135,7 @@ class PlanTuner:
     timings: Callable[[], dict[str, float]] | None = None
     timer: Callable[[bool], None] | None = None
     pays: Callable[[float, float, int, int, float, float], bool] | None = None
+    collector: Callable[[], float] | None = None
     history: list[TunerStep] = field(default_factory=list)
     done: bool = False
     _traded: bool = False
@@ -135,6 +144,8 @@ class PlanTuner:
     _retries: int = 0
     _ceiling: int | None = None
     _rematch: tuple[list[TunerStep], TunerStep, float] | None = None  # the slower plan's steps, the fastest, margin
+    _own_collector: CollectorClock | None = None  # the one this tuner hooked, unhooked when it stops
+    _collected: float = 0.0  # the collector's seconds when the running step began
 
     def _stats(self) -> tuple[int, int, int]:
         if self.stats is not None:
@@ -165,8 +176,12 @@ class PlanTuner:
             return
         if self._started is not None:
             seconds = self._now() - self._started
+            collected = self._collector_s() - self._collected  # Note: [the collector's time]
             allocated, reserved, retries = self._stats()
-            step = TunerStep(self.keep, seconds, allocated, reserved, retries - self._retries, "", self.resident)
+            step = TunerStep(
+                self.keep, seconds - collected, allocated, reserved, retries - self._retries, "", self.resident
+            )
+            step.collector_s = collected
             if self.timings is not None and self._timing:
                 timed = self.timings()
                 step.copy_s, step.block_forward_s = timed.get("copy_s", 0.0), timed.get("block_forward_s", 0.0)
@@ -181,6 +196,7 @@ class PlanTuner:
         self._retries = self._stats()[2]
         self._time(True)
         self._started = self._now()
+        self._collected = self._collector_s()
 
     def finish(self) -> None:
         """Close the running step's measurement as the last one, and stop: a plan that ran over the budget or
@@ -195,6 +211,15 @@ class PlanTuner:
         if self.timer is not None and (enable or self._timing):
             self.timer(enable)
         self._timing = enable and self.timer is not None
+        if not enable and self._own_collector is not None:  # stopped measuring: unhook the collector's clock
+            self._own_collector.stop()
+            self._own_collector = None
+
+    def _collector_s(self) -> float:
+        if self.collector is None and self.clock is None and not self.done:
+            self._own_collector = CollectorClock().start()
+            self.collector = self._own_collector
+        return self.collector() if self.collector is not None else 0.0
 
     def measured_layer_bytes(self) -> int:
         """Bytes per kept layer from two measured plans (the estimate until two plans have run).
@@ -229,9 +254,11 @@ class PlanTuner:
     def _apply(self, keep: int, action: str, resident: int | None = None) -> None:
         keep = max(0, min(keep, self.num_layers))
         self.history[-1].action = action
+        last = self.history[-1]
+        collected = f" (and {last.collector_s:.3f} s in Python's collector)" if last.collector_s >= 5e-4 else ""
         self.log(
-            f"poros plan: step {len(self.history)} ran {self.history[-1].seconds:.3f} s, peak "
-            f"{self.history[-1].peak_reserved / 1e9:.2f} GB reserved of {self.budget / 1e9:.2f} GB: {action}"
+            f"poros plan: step {len(self.history)} ran {last.seconds:.3f} s{collected}, peak "
+            f"{last.peak_reserved / 1e9:.2f} GB reserved of {self.budget / 1e9:.2f} GB: {action}"
         )
         if keep != self.keep:
             self.keep = keep
@@ -384,6 +411,7 @@ class PlanTuner:
                 "peak_allocated_gb": round(s.peak_allocated / 1e9, 3),
                 "peak_reserved_gb": round(s.peak_reserved / 1e9, 3),
                 "retries": s.retries,
+                "collector_ms": round(s.collector_s * 1e3, 3),
                 "action": s.action,
             }
             for s in history

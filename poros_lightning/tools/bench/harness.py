@@ -327,7 +327,8 @@ def bench_methods(
             )
             if "gc_seconds" in counts:  # Python's collector in the timed steps (steps.gc_timer)
                 row.update(gc_s_per_step=sum(counts["gc_seconds"]) / len(times),
-                           gc_full_per_step=counts["gc_collections"][2] / len(times))  # fmt: skip
+                           gc_full_per_step=counts["gc_collections"][2] / len(times),
+                           gc_step_s=[round(x, 4) for x in counts.get("gc_step_s", [])])  # fmt: skip
             if "optimizer_prefetches" in counts:
                 row["optimizer_prefetches_per_step"] = counts["optimizer_prefetches"] / (warmup + steps)
             if engine is not None:

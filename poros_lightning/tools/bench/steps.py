@@ -41,6 +41,8 @@ def gc_timer(sink: dict[str, Any] | None) -> Iterator[Callable[[bool], None]]:
             counts[info["generation"]] += 1
             seconds[info["generation"]] += time.perf_counter() - state["t"]
 
+    if sink is not None:  # live while the steps run: step_loop reads each step's share (gc_step_s)
+        sink.update(gc_collections=counts, gc_seconds=seconds)
     gc.callbacks.append(callback)
     try:
         yield lambda on: state.update(on=on)
@@ -262,12 +264,15 @@ def step_loop(
                     clocks.start()
                 marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
                 stamps: list[float] = []
+                collected = sum(counts["gc_seconds"]) if counts is not None else 0.0
                 t = time.perf_counter()
                 step(ids, _recorder(marks, stamps))
                 done_issuing = time.perf_counter()
                 wait()
                 if i >= warmup:
                     times.append(time.perf_counter() - t)
+                    if counts is not None:  # the collector's seconds in this step (Note: [the collector's time])
+                        counts.setdefault("gc_step_s", []).append(sum(counts["gc_seconds"]) - collected)
                     if issued is not None:
                         issued.append(done_issuing - t)
                     if host_split is not None:

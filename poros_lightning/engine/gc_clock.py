@@ -1,0 +1,59 @@
+"""The seconds Python's garbage collector runs, so that a measured step can leave them out.
+
+Note: [the collector's time]
+A collection runs on the host thread that issues the step's kernels, whenever enough container objects were
+allocated; on a step bound by the host, the device waits for it. What triggers a collection, and what a full one
+scans, is the process's objects, not the plan: the same plan's steps differ by whether a full collection fell in
+them. At Qwen2.5-72B, seq 512, on the H100, the bench's unfrozen process made one full collection in three timed
+steps of 1.2-2.1 s, and the collector took 0.37-0.46 s of those three steps in all; in the one run whose three steps
+held no full collection, 0.03 s (gc_s_per_step, gc_full_per_step: planner_sweep.jsonl, run 2026-12-07T21:44:59). A
+full collection in one of a tuner's steps can make its plan look 25% slower than the plan before it. The tuner times each step
+less what the collector took in it (engine/tuner.py, Note: [measured plans]). ``PorosStrategy(gc_freeze=True)``
+makes each full collection cheaper (lightning/collector.py, Note: [frozen setup]); it does not stop them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Any
+
+__all__ = ["CollectorClock"]
+
+
+class CollectorClock:
+    """Seconds of Python's collections (every generation) between ``start`` and ``stop``; calling it reads them.
+
+    The hook is one entry of ``gc.callbacks`` while started; it holds no reference to whoever reads the clock.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._began: float | None = None
+        self._on = False
+
+    def _hook(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.collections += 1
+            self._began = None
+
+    def start(self) -> CollectorClock:
+        if not self._on:
+            gc.callbacks.append(self._hook)
+            self._on = True
+        return self
+
+    def stop(self) -> None:
+        if self._on:
+            with contextlib.suppress(ValueError):  # someone cleared gc.callbacks
+                gc.callbacks.remove(self._hook)
+            self._on = False
+            self._began = None
+
+    def __call__(self) -> float:
+        return self.seconds
