@@ -5,11 +5,14 @@ A collection runs on the host thread that issues the step's kernels, whenever en
 allocated; on a step bound by the host, the device waits for it. What triggers a collection, and what a full one
 scans, is the process's objects, not the plan: the same plan's steps differ by whether a full collection fell in
 them. At Qwen2.5-72B, seq 512, on the H100, the bench's unfrozen process made one full collection in three timed
-steps of 1.2-2.1 s, and the collector took 0.37-0.46 s of those three steps in all; in the one run whose three steps
-held no full collection, 0.03 s (gc_s_per_step, gc_full_per_step: planner_sweep.jsonl, run 2026-12-07T21:44:59). A
-full collection in one of a tuner's steps can make its plan look 25% slower than the plan before it. The tuner times each step
-less what the collector took in it (engine/tuner.py, Note: [measured plans]). ``PorosStrategy(gc_freeze=True)``
-makes each full collection cheaper (lightning/collector.py, Note: [frozen setup]); it does not stop them.
+steps of 1.17-2.15 s, and the collector took 0.37-0.46 s of those three steps in all; in the one row whose three
+steps held no full collection, 0.03 s (gc_s_per_step, gc_full_per_step: planner_sweep.jsonl, run
+2026-12-07T21:44:59). A full collection in one of a tuner's steps can make its plan look 25% slower than the plan
+before it. The tuner times each step less what the collector took in it (engine/tuner.py, Note: [measured
+plans]). Where the device bounds a step, a collection can hide behind kernels already queued, and the step timed
+less it reads faster than it ran, by at most the collection's seconds: an error no larger than the one it
+removes where the host bounds the step. ``PorosStrategy(gc_freeze=True)`` makes each full collection cheaper
+(lightning/collector.py, Note: [frozen setup]); it does not stop them.
 """
 
 from __future__ import annotations
