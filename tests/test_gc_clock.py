@@ -61,11 +61,101 @@ def test_the_tuner_hooks_its_own_clock_while_it_measures(monkeypatch: pytest.Mon
     before = list(gc.callbacks)
     tuner = _tuner(keep=4, steps=3)
     tuner.stats, tuner.reset = (lambda: (GB, 2 * GB, 0)), (lambda: None)
-    tuner.step_boundary()  # the first step opens: the tuner's clock is hooked
-    hooked = [cb for cb in gc.callbacks if cb not in before]
-    assert len(hooked) == 1
-    gc.collect()
-    tuner.step_boundary()
-    assert tuner.history[0].collector_s > 0
-    tuner.finish()
+    try:
+        tuner.step_boundary()  # the first step opens: the tuner's clock is hooked
+        hooked = [cb for cb in gc.callbacks if cb not in before]
+        assert len(hooked) == 1
+        gc.collect()
+        tuner.step_boundary()
+        assert tuner.history[0].collector_s > 0
+    finally:
+        tuner.finish()
     assert tuner.done and gc.callbacks == before  # unhooked when it stops measuring
+
+
+def test_the_strategy_stops_a_tuner_that_did_not_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit shorter than ``tune_steps`` (or one that raised) leaves its tuner measuring: the strategy stops it
+    when training ends, so nothing stays hooked in ``gc.callbacks``."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from poros_lightning import PorosStrategy
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    before = list(gc.callbacks)
+    timer: list[bool] = []
+    tuner = _tuner(keep=4, steps=8, timer=timer.append)
+    tuner.stats, tuner.reset = (lambda: (GB, 2 * GB, 0)), (lambda: None)
+    strategy = PorosStrategy(accelerator=CPUAccelerator())
+    strategy.tuners.append(tuner)
+    tuner.step_boundary()  # one step of eight opened, then training ends
+    assert len(gc.callbacks) == len(before) + 1 and timer == [True]
+    strategy.on_train_end()
+    assert tuner.done and gc.callbacks == before and timer == [True, False] and strategy.tuners == []
+    strategy.teardown()  # again at teardown: nothing left to stop
+
+
+def test_a_bench_step_that_raises_stops_its_tuner() -> None:
+    from poros_lightning.tools.bench.steps import step_loop
+
+    class Fails(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("a step that ran out")
+
+    class Tuner:
+        closed = False
+
+        def step_boundary(self) -> None: ...
+
+        def close(self) -> None:
+            self.closed = True
+
+    tuner = Tuner()
+    with pytest.raises(RuntimeError, match="ran out"):
+        step_loop(Fails(), [torch.zeros(1, 4, dtype=torch.long)] * 2, warmup=1, vocab=8, device="cpu", tuner=tuner)
+    assert tuner.closed
+
+
+def test_a_copied_clock_is_not_hooked() -> None:
+    import copy
+
+    clock = CollectorClock().start()
+    try:
+        gc.collect()
+        twin = copy.deepcopy(clock)
+        assert twin() == clock() and not twin._on
+        twin.stop()  # nothing to unhook
+        assert clock._hook in gc.callbacks
+    finally:
+        clock.stop()
+
+
+def test_a_bench_row_counts_the_collector_in_the_step_it_ran_in() -> None:
+    from types import SimpleNamespace
+
+    from poros_lightning.tools.bench.steps import step_loop
+
+    class CollectsOnce(torch.nn.Module):
+        """Its third forward (the second timed step) runs a full collection."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 8)
+            self.calls = 0
+
+        def forward(self, input_ids: torch.Tensor, **kwargs: object) -> SimpleNamespace:
+            self.calls += 1
+            if self.calls == 3:
+                for _ in range(3):  # long enough to stand out of the steps' own collections
+                    gc.collect()
+            return SimpleNamespace(logits=self.emb(input_ids))
+
+    counts: dict[str, object] = {}
+    times = step_loop(CollectsOnce(), [torch.zeros(1, 4, dtype=torch.long)] * 4, 1, 8, "cpu", counts=counts)
+    steps = counts["gc_step_s"]
+    assert len(steps) == len(times) == 3
+    assert steps[1] > 10 * max(steps[0], steps[2], 1e-6)  # the step that collected, not the others
+    assert sum(steps) == pytest.approx(sum(counts["gc_seconds"]), abs=1e-5)

@@ -7,8 +7,8 @@ scans, is the process's objects, not the plan: the same plan's steps differ by w
 them. At Qwen2.5-72B, seq 512, on the H100, the bench's unfrozen process made one full collection in three timed
 steps of 1.17-2.15 s, and the collector took 0.37-0.46 s of those three steps in all; in the one row whose three
 steps held no full collection, 0.03 s (gc_s_per_step, gc_full_per_step: planner_sweep.jsonl, run
-2026-12-07T21:44:59). A full collection in one of a tuner's steps can make its plan look 25% slower than the plan
-before it. The tuner times each step less what the collector took in it (engine/tuner.py, Note: [measured
+2026-12-07T21:44:59). A full collection, some 0.4 s, in one of a tuner's steps makes a 1.6 s plan time about 25%
+slower. The tuner times each step less what the collector took in it (engine/tuner.py, Note: [measured
 plans]). Where the device bounds a step, a collection can hide behind kernels already queued, and the step timed
 less it reads faster than it ran, by at most the collection's seconds: an error no larger than the one it
 removes where the host bounds the step. ``PorosStrategy(gc_freeze=True)`` makes each full collection cheaper
@@ -60,3 +60,6 @@ class CollectorClock:
 
     def __call__(self) -> float:
         return self.seconds
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy is not hooked: it reads the seconds counted so far
+        return {**self.__dict__, "_on": False, "_began": None}

@@ -207,6 +207,12 @@ class PlanTuner:
         self.done = True
         self._time(False)
 
+    def close(self) -> None:
+        """Stop measuring without judging the running step (training ended, or raised): the plan stays as it is, and
+        the device timing and the collector's clock are unhooked."""
+        self.done = True
+        self._time(False)
+
     def _time(self, enable: bool) -> None:
         if self.timer is not None and (enable or self._timing):
             self.timer(enable)

@@ -204,6 +204,7 @@ class PorosDDPStrategy(DDPStrategy):
     _peft_models = PorosStrategy._peft_models
     _plan = PorosStrategy._plan
     _tune = PorosStrategy._tune
+    _stop_tuning = PorosStrategy._stop_tuning
     engine_kwargs = PorosStrategy.engine_kwargs
     on_train_batch_start = PorosStrategy.on_train_batch_start
     on_train_start = PorosStrategy.on_train_start
@@ -359,6 +360,7 @@ class PorosDDPStrategy(DDPStrategy):
         # The base becomes views into the host arenas (no copy): with a shared base, N copies of it at
         # teardown could exhaust host RAM. Lightning's teardown then moves the module to the CPU (a no-op).
         self.collector.thaw()
+        self._stop_tuning()
         if self.model is not None:
             for peft_model in find_peft_models(self.model):
                 if is_prepared(peft_model):

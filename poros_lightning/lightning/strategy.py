@@ -383,10 +383,19 @@ class PorosStrategy(SingleDeviceStrategy):
     @override
     def on_train_end(self) -> None:
         self.collector.thaw()
+        self._stop_tuning()
+
+    def _stop_tuning(self) -> None:
+        """A fit shorter than ``tune_steps``, or one that raised, leaves its tuners measuring: stop them (the plan
+        stays as it is), before the engines they time are unprepared."""
+        for tuner in self.tuners:
+            tuner.close()
+        self.tuners = []
 
     @override
     def teardown(self) -> None:
         self.collector.thaw()  # a fit that raised ends here without on_train_end
+        self._stop_tuning()
         # Give the base its own memory back on the CPU first: Lightning's teardown moves the module to
         # the CPU, which must not read the slots (they hold only the last blocks).
         if self.model is not None:

@@ -312,6 +312,8 @@ def step_loop(
     finally:
         if clocks is not None:
             clocks.close()
+        if tuner is not None:  # a step that raised leaves its tuner measuring: stopped, nothing left hooked
+            tuner.close()
         if host is not None:  # a step that raised (out of memory) leaves no trigger hook for the model's next run
             host.close()
     opt.state.clear()
