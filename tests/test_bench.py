@@ -316,7 +316,7 @@ def test_gc_timer_counts_the_collections_while_on() -> None:
         timing(False)
         gc.collect()
     assert sink["gc_collections"] == [1, 0, 1] and sink["gc_seconds"][2] > 0
-    assert all(cb.__name__ != "callback" for cb in gc.callbacks)  # removed on exit
+    assert all(cb.__name__ != "_hook" for cb in gc.callbacks)  # removed on exit
 
 
 def test_profile_is_cuda_only(tmp_path: Path) -> None:

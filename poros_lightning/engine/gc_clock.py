@@ -26,23 +26,33 @@ __all__ = ["CollectorClock"]
 
 
 class CollectorClock:
-    """Seconds of Python's collections (every generation) between ``start`` and ``stop``; calling it reads them.
+    """Seconds of Python's collections between ``start`` and ``stop``; calling it reads them (every generation).
 
-    The hook is one entry of ``gc.callbacks`` while started; it holds no reference to whoever reads the clock.
+    ``counts`` and ``by_generation`` hold the collections and their seconds per generation (2: the full ones, which
+    scan every tracked object). The hook is one entry of ``gc.callbacks`` while started; it holds no reference to
+    whoever reads the clock.
     """
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.collections = 0
+        self.counts = [0, 0, 0]
+        self.by_generation = [0.0, 0.0, 0.0]
         self._began: float | None = None
         self._on = False
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_generation)
+
+    @property
+    def collections(self) -> int:
+        return sum(self.counts)
 
     def _hook(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
-        elif self._began is not None:
-            self.seconds += time.perf_counter() - self._began
-            self.collections += 1
+        elif self._began is not None and 0 <= info.get("generation", -1) <= 2:
+            self.counts[info["generation"]] += 1
+            self.by_generation[info["generation"]] += time.perf_counter() - self._began
             self._began = None
 
     def start(self) -> CollectorClock:

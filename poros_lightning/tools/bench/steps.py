@@ -10,13 +10,13 @@ way there is one optimizer update per step.
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from poros_lightning.engine.gc_clock import CollectorClock
 from poros_lightning.engine.microbatch import micro_batch_mean, micro_batch_sizes, micro_batches_of
 from poros_lightning.engine.optim_state import HostOptimizerState
 from poros_lightning.tools.bench.gpu_clocks import ClockSampler
@@ -30,26 +30,22 @@ def gc_timer(sink: dict[str, Any] | None) -> Iterator[Callable[[bool], None]]:
     """Time Python's garbage collector while the yielded ``on(True)`` holds: ``sink`` receives ``gc_collections`` and
     ``gc_seconds``, one entry per generation (2: the full collections, which scan every tracked object). A step
     bound by the host pays for each collection at full length."""
-    counts, seconds, state = [0, 0, 0], [0.0, 0.0, 0.0], {"on": False, "t": 0.0}
+    clock = CollectorClock()  # engine/gc_clock.py, as the tuner times its steps
 
-    def callback(phase: str, info: dict[str, Any]) -> None:
-        if not state["on"]:
-            return
-        if phase == "start":
-            state["t"] = time.perf_counter()
-        elif 0 <= info.get("generation", -1) <= 2:
-            counts[info["generation"]] += 1
-            seconds[info["generation"]] += time.perf_counter() - state["t"]
+    def timing(on: bool) -> None:
+        if on:
+            clock.start()
+        else:
+            clock.stop()
 
     if sink is not None:  # live while the steps run: step_loop reads each step's share (gc_step_s)
-        sink.update(gc_collections=counts, gc_seconds=seconds)
-    gc.callbacks.append(callback)
+        sink.update(gc_collections=clock.counts, gc_seconds=clock.by_generation)
     try:
-        yield lambda on: state.update(on=on)
+        yield timing
     finally:
-        gc.callbacks.remove(callback)
+        clock.stop()
         if sink is not None:
-            sink.update(gc_collections=counts, gc_seconds=[round(x, 6) for x in seconds])
+            sink.update(gc_collections=clock.counts, gc_seconds=[round(x, 6) for x in clock.by_generation])
 
 
 def host_speed(device: str, launches: int = 1000, loops: int = 100_000) -> dict[str, float]:
